@@ -1,0 +1,25 @@
+"""comera-compile: tensor-train compressed, rank-adaptive training (CoMERA) as a torch.compile pass.
+
+Public API only; see README.md for a quick start.
+"""
+
+from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.passes.tensorize import PRESETS, LayerShape, TensorizeError, TensorizeSummary, tensorize
+from comera_compile.report import Explanation, explain
+from comera_compile.tt import TTSpec, make_spec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TTLinear",
+    "TTEmbedding",
+    "TTSpec",
+    "make_spec",
+    "tensorize",
+    "LayerShape",
+    "TensorizeSummary",
+    "TensorizeError",
+    "PRESETS",
+    "explain",
+    "Explanation",
+]

@@ -1,0 +1,268 @@
+"""TT layers: plain nn.Modules holding TT cores and rank gates.
+
+TTLinear stands in for nn.Linear (and look-alikes such as transformers' Conv1D), TTEmbedding for
+nn.Embedding.  Both keep the dense layer's interface (shapes, dtype, bias, padding_idx) and are ordinary
+modules: state_dict, .to(), deepcopy and pickling work as for any nn.Module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import network
+from .tt import TTSpec, cores_to_dense, make_spec, random_cores, svd_cores
+
+__all__ = ["TTLinear", "TTEmbedding", "TTLayer", "DEFAULT_TAU"]
+
+DEFAULT_TAU = 1e-2  # a gate entry below this (in absolute value) counts as switched off
+
+_INITS = ("random", "svd")
+
+
+def _check_init(init: str) -> None:
+    if init not in _INITS:
+        raise ValueError(f"init must be one of {_INITS}, got {init!r}")
+
+
+def _check_float_dtype(dtype: torch.dtype | None) -> None:
+    if dtype is not None and not dtype.is_floating_point:
+        raise TypeError(f"TT layers hold floating-point parameters; got dtype {dtype}. "
+                        f"Use a float dtype such as torch.float32")
+
+
+class TTLayer(nn.Module):
+    """Common part of the TT layers: the spec, the cores and the gates."""
+
+    spec: TTSpec
+
+    def _init_params(self, spec: TTSpec, cores: Sequence[torch.Tensor], dtype, device) -> None:
+        self.spec = spec
+        self.cores = nn.ParameterList(
+            [nn.Parameter(c.to(device=device, dtype=dtype).contiguous()) for c in cores])
+        self.gates = nn.ParameterList(
+            [nn.Parameter(torch.ones(r, device=device, dtype=dtype)) for r in spec.gate_sizes])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Allocated ranks, boundary 1s included."""
+        return self.spec.ranks
+
+    def active_ranks(self, tau: float = DEFAULT_TAU) -> tuple[int, ...]:
+        """Ranks counting only gate entries with |g| >= tau, boundary 1s included."""
+        return (1, *(int((g.detach().abs() >= tau).sum()) for g in self.gates), 1)
+
+    def gated_cores(self) -> list[torch.Tensor]:
+        """The cores with each bond's gate folded into the core on its left (diag(g) between cores)."""
+        out = []
+        for k, core in enumerate(self.cores):
+            out.append(core * self.gates[k] if k < len(self.gates) else core)
+        return out
+
+    def tt_params(self) -> int:
+        """Parameters of the factorization: cores and gates."""
+        return self.spec.num_params()
+
+    def dense_params(self) -> int:
+        return self.spec.dense_params()
+
+
+class TTLinear(TTLayer):
+    """y = x W^T + b with W held as a TT (tensor-train) factorization.
+
+    Inputs of any leading shape (..., in_features).  The contraction order is chosen per row count from
+    the planner's cache, so nothing is searched twice."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 rank: int | Sequence[int] = 30, in_modes: Sequence[int] | None = None,
+                 out_modes: Sequence[int] | None = None, d: int | None = None, init: str = "random",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        _check_init(init)
+        _check_float_dtype(dtype)
+        dtype = dtype or torch.get_default_dtype()
+        if spec is None:
+            spec = make_spec("tt", in_features, out_features, rank, in_modes, out_modes, d, where="TTLinear")
+        self.in_features, self.out_features = spec.in_features, spec.out_features
+        if _cores is None:
+            if init == "svd":
+                raise ValueError("init='svd' needs a dense weight: use TTLinear.from_dense(linear, ...)")
+            # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in)), i.e. std 1/sqrt(3 in)
+            _cores = random_cores(spec, 1.0 / math.sqrt(3 * in_features), dtype=torch.float64)
+        self._init_params(spec, _cores, dtype, device)
+        if bias:
+            bound = 1.0 / math.sqrt(in_features)
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   rank: int | Sequence[int] = 30, in_modes: Sequence[int] | None = None,
+                   out_modes: Sequence[int] | None = None, d: int | None = None, init: str = "svd",
+                   transposed: bool = False) -> "TTLinear":
+        """A TTLinear for a dense weight of nn.Linear's layout (out, in), or (in, out) with transposed=True
+        (transformers' Conv1D).  init="svd" factorizes the weight by TT-SVD (exact at full ranks);
+        init="random" keeps only the shape and the bias."""
+        _check_init(init)
+        w_t = weight.detach() if transposed else weight.detach().t()
+        in_f, out_f = w_t.shape
+        spec = make_spec("tt", in_f, out_f, rank, in_modes, out_modes, d, where="TTLinear")
+        cores = svd_cores(w_t, spec) if init == "svd" else None
+        layer = cls(in_f, out_f, bias is not None, spec=spec, _cores=cores, init="random",
+                    device=weight.device, dtype=weight.dtype)
+        if bias is not None:
+            with torch.no_grad():
+                layer.bias.copy_(bias.detach())
+        return layer
+
+    def plan(self, rows: int) -> network.Plan:
+        """The contraction plan used for an input with this many rows."""
+        return network.plan_tt_linear(self.spec, rows)
+
+    def flops(self, rows: int) -> int:
+        """Forward FLOPs of the TT product (bias excluded) for this many rows."""
+        return self.plan(rows).flops
+
+    def _operands(self) -> list[torch.Tensor]:
+        cores = self.gated_cores()
+        cores[0] = cores[0].reshape(cores[0].shape[1], cores[0].shape[2])
+        cores[-1] = cores[-1].reshape(cores[-1].shape[0], cores[-1].shape[1])
+        return cores
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"TTLinear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}")
+        spec = self.spec
+        lead = x.shape[:-1]
+        rows = math.prod(lead)
+        x2 = x.reshape(rows, self.in_features)
+        if spec.in_padded != self.in_features:
+            x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
+        x2 = x2.reshape(rows, *spec.in_modes)
+        y = network.execute(self.plan(rows), [x2, *self._operands()])
+        y = y.reshape(rows, spec.out_padded)
+        if spec.out_padded != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense weight in nn.Linear's layout (out_features, in_features)."""
+        return cores_to_dense(list(self.cores), list(self.gates), self.spec).t()
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, modes={s.in_modes}->{s.out_modes}, ranks={s.ranks}")
+
+
+class TTEmbedding(TTLayer):
+    """An embedding table V x D held as a TTM factorization; lookups never build the table.
+
+    Row i is found from its mixed-radix digits (i_1..i_d) over the row modes: the product of the cores'
+    slices G_k[:, i_k, :, :].  padding_idx behaves as in nn.Embedding: that row reads as zeros and gets
+    no gradient."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
+                 rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
+                 col_modes: Sequence[int] | None = None, d: int | None = None, init: str = "random",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        _check_init(init)
+        _check_float_dtype(dtype)
+        dtype = dtype or torch.get_default_dtype()
+        if spec is None:
+            spec = make_spec("ttm", num_embeddings, embedding_dim, rank, row_modes, col_modes, d,
+                             where="TTEmbedding")
+        self.num_embeddings, self.embedding_dim = spec.in_features, spec.out_features
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ValueError(f"padding_idx must be within the {self.num_embeddings} rows, got {padding_idx}")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        if _cores is None:
+            if init == "svd":
+                raise ValueError("init='svd' needs a dense table: use TTEmbedding.from_dense(embedding, ...)")
+            _cores = random_cores(spec, 1.0, dtype=torch.float64)  # nn.Embedding's default: N(0, 1)
+        self._init_params(spec, _cores, dtype, device)
+        strides, acc = [], 1
+        for v in reversed(spec.in_modes):
+            strides.append(acc)
+            acc *= v
+        self._strides = tuple(reversed(strides))
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, padding_idx: int | None = None, *,
+                   rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
+                   col_modes: Sequence[int] | None = None, d: int | None = None,
+                   init: str = "svd") -> "TTEmbedding":
+        """A TTEmbedding for a dense (V, D) table; init="svd" factorizes it (exact at full ranks)."""
+        _check_init(init)
+        v, e = weight.shape
+        spec = make_spec("ttm", v, e, rank, row_modes, col_modes, d, where="TTEmbedding")
+        cores = svd_cores(weight.detach(), spec) if init == "svd" else None
+        return cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
+
+    def flops(self, rows: int) -> int:
+        """FLOPs of `rows` lookups: the chain of batched products over the gathered core slices."""
+        s, total, acc = self.spec, 0, 1
+        for k in range(1, len(s.in_modes)):
+            acc *= s.out_modes[k - 1]
+            total += 2 * rows * acc * s.ranks[k] * s.out_modes[k] * s.ranks[k + 1]
+        return total
+
+    def _lookup(self, flat: torch.Tensor) -> torch.Tensor:
+        """Rows for a 1-D index tensor, shape (n, embedding_dim)."""
+        s = self.spec
+        n = flat.shape[0]
+        acc = None
+        for k, core in enumerate(self.gated_cores()):
+            digit = torch.div(flat, self._strides[k], rounding_mode="floor") % s.in_modes[k]
+            sl = core.index_select(1, digit)  # (r_{k-1}, n, e_k, r_k)
+            if acc is None:
+                acc = sl.reshape(n, s.out_modes[0], s.ranks[1])
+            else:
+                sl = sl.permute(1, 0, 2, 3).reshape(n, s.ranks[k], s.out_modes[k] * s.ranks[k + 1])
+                acc = torch.bmm(acc, sl).reshape(n, -1, s.ranks[k + 1])
+        out = acc.reshape(n, s.out_padded)
+        if s.out_padded != self.embedding_dim:
+            out = out[:, : self.embedding_dim]
+        return out
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        if indices.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"TTEmbedding expects integer indices (torch.long or torch.int), got {indices.dtype}")
+        flat = indices.reshape(-1).long()
+        if not torch.compiler.is_compiling() and flat.numel():
+            if bool((flat < 0).any()) or bool((flat >= self.num_embeddings).any()):
+                raise IndexError("index out of range in self")
+        if flat.numel() and not torch.compiler.is_compiling():
+            uniq, inverse = torch.unique(flat, return_inverse=True)
+            out = self._lookup(uniq).index_select(0, inverse)
+        else:
+            out = self._lookup(flat)
+        if self.padding_idx is not None:
+            out = out * (flat != self.padding_idx).unsqueeze(1).to(out.dtype)
+        return out.reshape(*indices.shape, self.embedding_dim)
+
+    def to_dense(self) -> torch.Tensor:
+        """The dense table (num_embeddings, embedding_dim), padding row zeroed as the lookup reads it."""
+        w = cores_to_dense(list(self.cores), list(self.gates), self.spec)
+        if self.padding_idx is not None:
+            w = w.clone()
+            w[self.padding_idx] = 0
+        return w
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, row_modes={s.in_modes}, "
+                f"col_modes={s.out_modes}, ranks={s.ranks}")

@@ -1,0 +1,1 @@
+"""Example models and scripts; installed as comera_compile.examples."""

@@ -1,0 +1,349 @@
+"""Rewrite a model's dense layers (nn.Linear, nn.Embedding, transformers' Conv1D) into TT layers.
+
+Where torch.fx can trace the model the result is a GraphModule whose chosen layers are TT-layer
+call_module nodes (``print(gm.code)`` shows the graph); where it cannot (transformers models, Python
+control flow on tensors) the same layers are swapped module by module, with a warning.  Everything that
+can fail is checked before anything is swapped, so an error leaves the user's model exactly as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+
+from comera_compile.layers import TTEmbedding, TTLayer, TTLinear
+
+__all__ = ["tensorize", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
+
+
+class TensorizeError(ValueError):
+    """A tensorize request that cannot be carried out; the model was left untouched."""
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """Explicit TT shape for a layer: input (or row) modes, output (or column) modes, and optionally its
+    own rank (an int, or one rank per internal bond)."""
+
+    in_modes: tuple[int, ...] | None = None
+    out_modes: tuple[int, ...] | None = None
+    rank: int | tuple[int, ...] | None = None
+
+
+# CoMERA's shapes for the six-encoder (BERT-base sized) model, keyed by (in, out) / (rows, dim).  Only the
+# layers listed are rewritten: position and segment embeddings and the 768 -> 3 classifier stay dense.
+PRESETS: dict[str, dict[str, Any]] = {
+    "comera-six-encoder": {
+        "rank": 30,
+        "shapes": {
+            (768, 768): LayerShape((12, 8, 8), (8, 8, 12)),
+            (768, 3072): LayerShape((12, 8, 8), (12, 16, 16)),
+            (3072, 768): LayerShape((16, 16, 12), (8, 8, 12)),
+            (30522, 768): LayerShape((16, 20, 10, 10), (4, 4, 8, 6), rank=32),
+        },
+        "shaped_only": True,
+    },
+}
+
+
+@dataclass
+class TensorizeSummary:
+    """What tensorize did: the layers rewritten (name -> TT layer kind), the dense-looking layers kept
+    dense (name -> reason), and whether the result is an FX GraphModule."""
+
+    rewritten: dict[str, str] = field(default_factory=dict)
+    kept_dense: dict[str, str] = field(default_factory=dict)
+    traced: bool = False
+    trace_error: str | None = None
+
+    def __str__(self) -> str:
+        how = "FX GraphModule" if self.traced else "module-by-module rewrite"
+        lines = [f"tensorize: {len(self.rewritten)} layers rewritten ({how}), {len(self.kept_dense)} kept dense"]
+        lines += [f"  TT     {n} ({k})" for n, k in self.rewritten.items()]
+        lines += [f"  dense  {n}: {r}" for n, r in self.kept_dense.items()]
+        return "\n".join(lines)
+
+
+def _is_conv1d(mod: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2): a linear map with weight (in, out), y = x @ W + b."""
+    return (type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None),
+            torch.Tensor) and mod.weight.dim() == 2)
+
+
+def _kind(mod: nn.Module) -> str | None:
+    if isinstance(mod, TTLayer):
+        return None
+    if isinstance(mod, nn.Linear):
+        return "linear"
+    if isinstance(mod, nn.Embedding):
+        return "embedding"
+    if _is_conv1d(mod):
+        return "conv1d"
+    return None
+
+
+def _dims(mod: nn.Module, kind: str) -> tuple[int, int]:
+    if kind == "linear":
+        return mod.in_features, mod.out_features
+    if kind == "conv1d":
+        return tuple(mod.weight.shape)
+    return mod.num_embeddings, mod.embedding_dim
+
+
+def _unsupported_embedding_options(mod: nn.Embedding) -> list[str]:
+    opts = []
+    if mod.max_norm is not None:
+        opts.append("max_norm")
+    if mod.scale_grad_by_freq:
+        opts.append("scale_grad_by_freq")
+    if mod.sparse:
+        opts.append("sparse")
+    return opts
+
+
+def _as_shape(value: Any, where: str) -> LayerShape:
+    if isinstance(value, LayerShape):
+        return value
+    if isinstance(value, Mapping):
+        return LayerShape(**value)
+    if isinstance(value, Sequence) and len(value) == 2:
+        return LayerShape(tuple(value[0]), tuple(value[1]))
+    raise TensorizeError(f"shapes[{where!r}] must be a LayerShape, a dict of its fields, or a pair "
+                         f"(in_modes, out_modes); got {value!r}")
+
+
+def _find_shape(shapes: Mapping, name: str, dims: tuple[int, int]) -> LayerShape | None:
+    if dims in shapes:
+        return _as_shape(shapes[dims], str(dims))
+    for key, value in shapes.items():
+        if isinstance(key, str) and fnmatch.fnmatchcase(name, key):
+            return _as_shape(value, key)
+    return None
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _as_patterns(value: str | Iterable[str] | None, label: str) -> list[str] | None:
+    if value is None:
+        return None
+    pats = [value] if isinstance(value, str) else list(value)
+    if not all(isinstance(p, str) for p in pats):
+        raise TensorizeError(f"{label} takes module-name patterns (strings, fnmatch style such as "
+                             f"'layers.*.ffn_up'); got {value!r}")
+    return pats
+
+
+def _build(mod: nn.Module, kind: str, rank, shape: LayerShape | None, init: str, d: int | None,
+           where: str) -> TTLayer:
+    in_modes = shape.in_modes if shape else None
+    out_modes = shape.out_modes if shape else None
+    r = shape.rank if shape is not None and shape.rank is not None else rank
+    try:
+        if kind == "embedding":
+            return TTEmbedding.from_dense(mod.weight, mod.padding_idx, rank=r, row_modes=in_modes,
+                                          col_modes=out_modes, d=d, init=init)
+        return TTLinear.from_dense(mod.weight, mod.bias, rank=r, in_modes=in_modes, out_modes=out_modes,
+                                   d=d, init=init, transposed=kind == "conv1d")
+    except (ValueError, TypeError) as e:
+        raise TensorizeError(f"cannot tensorize {where!r} ({type(mod).__name__}): {e}") from e
+
+
+class _Tracer(torch.fx.Tracer):
+    """Keeps TT layers (and torch.nn's own modules) as call_module leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, TTLayer) or super().is_leaf_module(m, qualname)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        # Name TT-layer calls tt_<path> so print(gm.code) shows which layers were rewritten.
+        if kind == "call_module" and name is None and isinstance(self.root.get_submodule(target), TTLayer):
+            name = "tt_" + target.replace(".", "_")
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    name = type(model).__name__
+    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    # GraphModule copies only what the graph uses, under plain containers.  Put the model's own children,
+    # parameters and buffers back, so gm.layers[0] works and state_dict keys match the original model.
+    for child_name, child in model._modules.items():  # not named_children(): keep aliases of one module
+        setattr(gm, child_name, child)
+    for pname, param in model._parameters.items():
+        if pname not in gm._parameters:
+            gm.register_parameter(pname, param)
+    for bname, buf in model._buffers.items():
+        if bname not in gm._buffers:
+            gm.register_buffer(bname, buf, persistent=bname not in model._non_persistent_buffers_set)
+    gm.train(model.training)
+    # Keep plain attributes user code reads (e.g. model.config) available on the GraphModule.
+    for key, value in vars(model).items():
+        if not key.startswith("_") and key != "training" and not hasattr(gm, key):
+            setattr(gm, key, value)
+    return gm
+
+
+def _set_submodule(root: nn.Module, qualname: str, new: nn.Module) -> None:
+    parent_name, _, attr = qualname.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, new)
+
+
+def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
+              shapes: Mapping[Any, Any] | None = None, include: str | Iterable[str] | None = None,
+              exclude: str | Iterable[str] | None = None, min_features: int = 64, init: str = "random",
+              d: int | None = None, preset: str | None = None, tied: str = "keep",
+              inplace: bool = False, trace: bool = True) -> nn.Module:
+    """Rewrite the model's dense layers into TT layers and return the rewritten model.
+
+    rank: one int (capped per bond at its largest meaningful value) or a list of internal ranks;
+        default 30, or the preset's.
+    shapes: explicit shapes, keyed by module-name pattern or by (in, out) / (rows, dim); values are
+        LayerShape, a dict of its fields, or (in_modes, out_modes).  Others are chosen automatically.
+    include / exclude: fnmatch patterns on qualified module names; excluded layers stay dense.
+    min_features: layers whose smaller dimension is below this stay dense (unless given a shape).
+    init: "random" (trains from scratch, variance of the dense default init) or "svd" (TT-SVD of the
+        existing weights: exact at full ranks).
+    preset: a name from PRESETS, e.g. "comera-six-encoder" (CoMERA's shapes and ranks; only the layers
+        it lists are rewritten).
+    tied: what to do with layers sharing a weight with another module: "keep" leaves them dense (and
+        tied), "untie" tensorizes each separately.  Either way a warning says which.
+    inplace: swap the layers inside `model` itself instead of a copy.
+    trace: try torch.fx first (returns a GraphModule); False goes module by module directly.
+
+    The returned model carries a TensorizeSummary as ``comera_summary``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tensorize takes an nn.Module, got {type(model).__name__}")
+    shaped_only = False
+    if preset is not None:
+        if preset not in PRESETS:
+            raise TensorizeError(f"unknown preset {preset!r}; available: {sorted(PRESETS)}")
+        p = PRESETS[preset]
+        rank = p["rank"] if rank is None else rank
+        shapes = {**p["shapes"], **(shapes or {})}
+        shaped_only = p.get("shaped_only", False)
+    rank = 30 if rank is None else rank
+    if isinstance(rank, bool) or not isinstance(rank, (int, Sequence)):
+        raise TensorizeError(f"rank must be a positive int or a list of ints, got {rank!r}")
+    if isinstance(rank, int) and rank <= 0:
+        raise TensorizeError(f"rank must be a positive integer, got {rank}")
+    if init not in ("random", "svd"):
+        raise TensorizeError(f"init must be 'random' or 'svd', got {init!r}")
+    if tied not in ("keep", "untie"):
+        raise TensorizeError(f"tied must be 'keep' or 'untie', got {tied!r}")
+    shapes = dict(shapes or {})
+    include_p = _as_patterns(include, "include")
+    exclude_p = _as_patterns(exclude, "exclude") or []
+
+    all_names = [n for n, _ in model.named_modules() if n]
+    modules = dict(model.named_modules())
+    for pats, label in ((include_p or [], "include"), (exclude_p, "exclude")):
+        for p in pats:
+            hits = [n for n in all_names if fnmatch.fnmatchcase(n, p)]
+            if not hits:
+                sample = ", ".join(all_names[:8]) + (", ..." if len(all_names) > 8 else "")
+                raise TensorizeError(f"{label} pattern {p!r} matches no module of {type(model).__name__}; "
+                                     f"module names look like: {sample}")
+            if label == "include" and p in modules and _kind(modules[p]) is None:
+                m = modules[p]
+                what = "already a TT layer" if isinstance(m, TTLayer) else "not a layer tensorize can rewrite"
+                raise TensorizeError(f"include names {p!r}, a {type(m).__name__}: {what}; tensorize rewrites "
+                                     f"nn.Linear, nn.Embedding and transformers' Conv1D")
+
+    # Every name under which each module object is registered (a module reused twice is replaced twice).
+    names_of: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        if n:
+            names_of.setdefault(id(m), []).append(n)
+    owners: dict[int, set[int]] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(m))
+
+    summary = TensorizeSummary()
+    plan: list[tuple[nn.Module, TTLayer]] = []
+    tied_groups: list[str] = []
+    for name, mod in model.named_modules():
+        kind = _kind(mod)
+        if kind is None:
+            continue
+        dims = _dims(mod, kind)
+        shape = _find_shape(shapes, name, dims)
+        explicit = include_p is not None and name in include_p
+        reason = None
+        if _matches(name, exclude_p):
+            reason = "excluded"
+        elif include_p is not None and not _matches(name, include_p):
+            reason = "not included"
+        elif shaped_only and shape is None:
+            reason = f"no shape for {dims} in the preset"
+        elif shape is None and min(dims) < min_features:
+            reason = f"smaller than min_features={min_features}"
+        elif kind == "embedding" and _unsupported_embedding_options(mod):
+            opts = _unsupported_embedding_options(mod)
+            if explicit:
+                raise TensorizeError(f"cannot tensorize {name!r}: nn.Embedding options {opts} are not "
+                                     f"supported by TTEmbedding; exclude it or drop those options")
+            reason = f"uses {', '.join(opts)}, which TTEmbedding does not support"
+        elif len(owners.get(id(mod.weight), ())) > 1:
+            sharers = sorted(n for n2, m2 in model.named_modules() if id(m2) in owners[id(mod.weight)]
+                             for n in [n2] if n)
+            if tied == "keep":
+                reason = f"weight tied with {', '.join(s for s in sharers if s != name)}"
+                tied_groups.append(" and ".join(sharers))
+            else:
+                tied_groups.append(" and ".join(sharers))
+        if reason is not None:
+            summary.kept_dense[name] = reason
+            continue
+        plan.append((mod, _build(mod, kind, rank, shape, init, d, name)))
+        for n in names_of[id(mod)]:
+            summary.rewritten[n] = f"{type(plan[-1][1]).__name__} (from {type(mod).__name__})"
+
+    if include_p is not None and not plan:
+        raise TensorizeError(f"include {include_p} selects no layer that can be tensorized "
+                             f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
+    if tied_groups:
+        groups = "; ".join(sorted(set(tied_groups)))
+        if tied == "keep":
+            warnings.warn(f"tensorize: {groups} share one weight; left dense so they stay tied. Pass "
+                          f"tied='untie' to tensorize them separately (they then train independently).",
+                          stacklevel=2)
+        else:
+            warnings.warn(f"tensorize: {groups} shared one weight and are now UNTIED: each tensorizable one "
+                          f"got its own TT factorization (tied='untie').", stacklevel=2)
+
+    # Nothing below can fail on bad input: all replacements are built.
+    if inplace:
+        work = model
+    else:
+        # Share (don't copy) the layers about to be replaced: the copy drops them anyway.
+        memo = {id(old): old for old, _ in plan}
+        work = copy.deepcopy(model, memo)
+    for old, new in plan:
+        for n in names_of[id(old)]:
+            _set_submodule(work, n, new)
+
+    result: nn.Module = work
+    if trace:
+        try:
+            result = _trace(work)
+            summary.traced = True
+        except Exception as e:  # torch.fx raises many kinds of errors for untraceable code
+            summary.trace_error = f"{type(e).__name__}: {e}".split("\n")[0]
+            warnings.warn(f"tensorize: torch.fx cannot trace {type(model).__name__} ({summary.trace_error}); "
+                          f"rewrote its layers module by module instead, so the result keeps its class and "
+                          f"is not a GraphModule.", stacklevel=2)
+    result.comera_summary = summary
+    return result

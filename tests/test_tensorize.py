@@ -1,0 +1,203 @@
+"""tensorize on own models (FX path) and on transformers models (module-by-module path)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.examples import six_encoder
+from comera_compile.layers import TTEmbedding, TTLinear
+
+FULL = 10**9  # an int rank this large is capped at every bond's largest meaningful rank: exact TT-SVD
+
+
+def _small_encoder(**kw) -> six_encoder.SixEncoder:
+    cfg = dict(vocab_size=97, d_model=48, heads=4, ffn=96, layers=2, max_positions=32, num_classes=3)
+    cfg.update(kw)
+    return six_encoder.build(**cfg)
+
+
+def _snapshot(model: nn.Module) -> tuple[dict, list]:
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            [(n, type(m)) for n, m in model.named_modules()])
+
+
+def _assert_untouched(model: nn.Module, snap) -> None:
+    state, structure = snap
+    assert [(n, type(m)) for n, m in model.named_modules()] == structure
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    for k in state:
+        assert torch.equal(now[k], state[k]), k
+
+
+def test_six_encoder_preset_parameter_count_matches_formula():
+    dense = six_encoder.build()
+    dense_params = sum(p.numel() for p in dense.parameters())
+    assert round(dense_params / 1e6, 1) == 67.0
+    tt = cc.tensorize(dense, preset="comera-six-encoder", inplace=True)
+
+    def tt_count(sizes, ranks):  # PAPERS.md: sum_k r_{k-1} * size_k * r_k, plus one gate per internal rank
+        return sum(ranks[k] * s * ranks[k + 1] for k, s in enumerate(sizes)) + sum(ranks[1:-1])
+
+    r = 30
+    attn = tt_count([12, 8, 8, 8, 8, 12], [1, 12, r, r, r, 12, 1])
+    up = tt_count([12, 8, 8, 12, 16, 16], [1, 12, r, r, r, 16, 1])
+    down = tt_count([16, 16, 12, 8, 8, 12], [1, 16, r, r, r, 12, 1])
+    word = tt_count([16 * 4, 20 * 4, 10 * 8, 10 * 6], [1, 32, 32, 32, 1])
+    d, ffn = 768, 3072
+    per_layer = 4 * (attn + d) + (up + ffn) + (down + d) + 2 * 2 * d
+    expected = (word + 512 * d + 2 * d + 2 * d      # TT word embedding, dense positions, segments, norm
+                + 6 * per_layer
+                + attn + d + d * 3 + 3)           # classifier: TT fc1, dense fc2
+    total = sum(p.numel() for p in tt.parameters())
+    assert total == expected
+    assert dense_params / total >= 40
+    assert isinstance(tt, torch.fx.GraphModule)
+    assert "tt_layers_0_ffn_up" in tt.code
+    ranks = {n: m.ranks for n, m in tt.named_modules() if isinstance(m, TTLinear)}
+    assert ranks["layers.3.attention.v"] == (1, 12, 30, 30, 30, 12, 1)
+    assert ranks["layers.3.ffn_up"] == (1, 12, 30, 30, 30, 16, 1)
+    assert tt.word.spec.in_modes == (16, 20, 10, 10) and tt.word.spec.out_modes == (4, 4, 8, 6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_full_rank_svd_reproduces_dense_model(dtype, tol):
+    torch.manual_seed(0)
+    dense = _small_encoder().to(dtype).eval()
+    snap = _snapshot(dense)
+    tt = cc.tensorize(dense, rank=FULL, init="svd", min_features=1).eval()
+    _assert_untouched(dense, snap)  # inplace=False: the user's model is not modified
+    assert isinstance(tt, torch.fx.GraphModule)
+    n_tt = sum(isinstance(m, (TTLinear, TTEmbedding)) for m in tt.modules())
+    assert n_tt == len(tt.comera_summary.rewritten) > 10
+    ids, seg, mask = six_encoder.example_inputs(dense, batch=3, seq=11)
+    mask[0, 7:] = 0
+    for args in [(ids,), (ids, seg), (ids, seg, mask)]:
+        ref, out = dense(*args), tt(*args)
+        assert (out - ref).norm() / ref.norm() < tol
+
+
+def test_tensorized_model_trains_and_does_not_share_parameters_with_original():
+    torch.manual_seed(0)
+    dense = _small_encoder()
+    before = _snapshot(dense)
+    tt = cc.tensorize(dense, rank=4, min_features=16).eval()  # eval: no dropout noise in this check
+    assert not {id(p) for p in tt.parameters()} & {id(p) for p in dense.parameters()}
+    opt = torch.optim.AdamW(tt.parameters(), lr=3e-3)
+    ids, seg, mask = six_encoder.example_inputs(dense, batch=4, seq=8)
+    y = torch.tensor([0, 1, 2, 1])
+    losses = []
+    for _ in range(20):
+        loss = nn.functional.cross_entropy(tt(ids, seg, mask), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+    _assert_untouched(dense, before)
+
+
+def test_min_features_exclude_include_and_summary():
+    model = _small_encoder()
+    tt = cc.tensorize(model, rank=4, min_features=40, exclude=["layers.1.*"])
+    s = tt.comera_summary
+    for name in ["word", "layers.0.attention.q", "layers.0.ffn_up", "fc1"]:
+        assert name in s.rewritten and isinstance(tt.get_submodule(name), (TTLinear, TTEmbedding))
+    assert "min_features" in s.kept_dense["position"]      # 32 x 48: smaller side below 40
+    assert "min_features" in s.kept_dense["fc2"]           # 48 -> 3
+    assert s.kept_dense["layers.1.ffn_up"] == "excluded"
+    assert type(tt.get_submodule("layers.1.ffn_up")) is nn.Linear
+    only = cc.tensorize(model, rank=4, min_features=1, include="layers.*.ffn_*")
+    assert set(only.comera_summary.rewritten) == {f"layers.{i}.ffn_{w}" for i in (0, 1) for w in ("up", "down")}
+    assert "ffn_up" in str(cc.explain(only))
+
+
+def test_inplace_swaps_layers_in_the_given_model():
+    model = _small_encoder()
+    out = cc.tensorize(model, rank=4, min_features=1, inplace=True)
+    assert isinstance(model.layers[0].ffn_up, TTLinear)
+    assert out.layers[0].ffn_up is model.layers[0].ffn_up
+    assert out.state_dict().keys() == model.state_dict().keys()
+
+
+def test_module_used_twice_is_replaced_everywhere_with_one_tt_layer():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = nn.Linear(64, 64)
+            self.alias = self.shared
+
+        def forward(self, x):
+            return self.alias(self.shared(x))
+
+    m = Twice()
+    tt = cc.tensorize(m, rank=8, min_features=1)
+    assert tt.shared is tt.alias and isinstance(tt.shared, TTLinear)
+
+
+def test_untraceable_model_falls_back_module_by_module_with_warning():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(64, 64)
+            self.b = nn.Linear(64, 64)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace this
+                return self.a(x)
+            return self.b(x)
+
+    torch.manual_seed(0)
+    m = Branchy().double()
+    with pytest.warns(UserWarning, match="module by module"):
+        tt = cc.tensorize(m, rank=FULL, init="svd")
+    assert type(tt) is Branchy and not tt.comera_summary.traced
+    x = torch.randn(5, 64, dtype=torch.float64)
+    for sign in (1, -1):
+        torch.testing.assert_close(tt(sign * x.abs()), m(sign * x.abs()), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rank=0), "positive"),
+    (dict(rank=-3), "positive"),
+    (dict(rank=[4, 4], include="layers.0.ffn_up"), "expected 5 internal ranks"),
+    (dict(shapes={"layers.0.ffn_up": ((4, 4, 2), (4, 4, 6))}, rank=4), r"multiply to 32, fewer than .* 48"),
+    (dict(include="layers.*.no_such_layer"), "matches no module"),
+    (dict(include="layers.0.attn_norm"), "LayerNorm"),
+    (dict(preset="no-such-preset"), "unknown preset"),
+    (dict(init="zeros"), "init must be"),
+])
+def test_bad_input_gives_clear_error_and_leaves_model_untouched(kwargs, match, inplace):
+    model = _small_encoder()
+    snap = _snapshot(model)
+    with pytest.raises((ValueError, TypeError), match=match):
+        cc.tensorize(model, min_features=1, inplace=inplace, **kwargs)
+    _assert_untouched(model, snap)
+
+
+def test_failure_in_a_late_layer_leaves_earlier_layers_dense():
+    model = _small_encoder()
+    snap = _snapshot(model)
+    with pytest.raises(ValueError, match="fc1"):
+        cc.tensorize(model, min_features=1, inplace=True, shapes={"fc1": ((2, 2), (2, 2))})
+    _assert_untouched(model, snap)
+
+
+def test_inspect_cli_prints_graph_and_table():
+    out = subprocess.run([sys.executable, "-m", "comera_compile.cli", "inspect", "--example", "six-encoder"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "def forward(self, input_ids" in out.stdout
+    assert "tt_layers_5_ffn_down" in out.stdout
+    assert "layers.5.ffn_down" in out.stdout and "TTLinear" in out.stdout
+    assert "44.9x smaller" in out.stdout or "x smaller" in out.stdout
