@@ -1,0 +1,79 @@
+"""tensorize on transformers models built from small configs (nothing downloaded)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import comera_compile as cc
+from comera_compile.layers import TTEmbedding, TTLinear
+
+transformers = pytest.importorskip("transformers")
+
+FULL = 10**9
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=211, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.mark.parametrize("factory", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_full_rank_svd_logits_match_dense(factory):
+    dense = factory().eval()
+    with pytest.warns(UserWarning, match="module by module"):
+        tt = cc.tensorize(dense, rank=FULL, init="svd", min_features=1)
+    assert type(tt) is type(dense)
+    assert sum(isinstance(m, (TTLinear, TTEmbedding)) for m in tt.modules()) >= 9
+    ids = torch.randint(0, 211, (2, 16))
+    ref, out = dense(ids).logits, tt(ids).logits
+    assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("factory", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_forward_and_backward_at_low_rank(factory):
+    dense = factory()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tt = cc.tensorize(dense, rank=4, min_features=32)
+    ids = torch.randint(0, 211, (2, 16))
+    out = tt(ids, labels=torch.tensor([0, 2]) if factory is _bert else ids)
+    out.loss.backward()
+    tt_layers = [m for m in tt.modules() if isinstance(m, (TTLinear, TTEmbedding))]
+    assert tt_layers
+    for m in tt_layers:
+        assert all(c.grad is not None and torch.isfinite(c.grad).all() for c in m.cores)
+    assert sum(p.numel() for p in tt.parameters()) < sum(p.numel() for p in dense.parameters())
+
+
+def test_gpt2_tied_embedding_and_head_stay_tied_by_default():
+    dense = _gpt2()
+    assert dense.lm_head.weight is dense.transformer.wte.weight
+    with pytest.warns(UserWarning, match="share one weight; left dense"):
+        tt = cc.tensorize(dense, rank=8, min_features=1)
+    assert type(tt.transformer.wte) is torch.nn.Embedding
+    assert tt.lm_head.weight is tt.transformer.wte.weight
+    assert "tied" in tt.comera_summary.kept_dense["lm_head"]
+    assert isinstance(tt.transformer.h[0].attn.c_attn, TTLinear)  # Conv1D look-alike rewritten
+
+
+def test_gpt2_untie_is_explicit_and_announced():
+    dense = _gpt2()
+    with pytest.warns(UserWarning, match="UNTIED"):
+        tt = cc.tensorize(dense, rank=8, min_features=1, tied="untie")
+    assert isinstance(tt.transformer.wte, TTEmbedding)
+    assert isinstance(tt.lm_head, TTLinear)
