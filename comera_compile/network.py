@@ -1,8 +1,11 @@
-"""Tensor networks of TT products and the plans that contract them.
+"""Tensor networks of TT products, their cost model, and the contraction-order search.
 
-A plan is a sequence of pairwise contractions (opt_einsum's path convention) with the einsum equation of
-every step precomputed, so executing it is a handful of plain tensor ops.  Plans depend only on the
-shapes, so they are cached per (spec, rows).
+A network is a set of tensors with named indices (a networkx graph: tensors are nodes, shared indices are
+edges).  A plan is a contraction tree.  Its training cost counts the forward pairwise contractions and, for
+each of them, one gradient contraction per child that needs a gradient (dA = dC . B costs what C = A . B
+costs); forward intermediates are kept for the backward, which is its memory.  The search is an exact
+dynamic programme over subsets of tensors minimising that cost for the real shapes, so the order adapts to
+the number of rows: merged cores for large batches, a chain through the activation for small ones.
 """
 
 from __future__ import annotations
@@ -11,114 +14,363 @@ import math
 import string
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Sequence
 
-import opt_einsum
+import networkx as nx
 import torch
 
 from .tt import TTSpec
 
-__all__ = ["Plan", "tt_linear_network", "plan_tt_linear", "execute"]
+__all__ = [
+    "TensorSpec",
+    "Network",
+    "Plan",
+    "tt_linear_network",
+    "ttm_embedding_network",
+    "pairwise_flops",
+    "search",
+    "plan_from_tree",
+    "plan_tt_linear",
+    "reference_tree",
+    "execute",
+]
 
 _LETTERS = string.ascii_letters
+EXACT_ALL_SUBSETS = 9  # up to this many tensors the search also considers outer products
+EXACT_CONNECTED = 14  # up to this many, connected subsets only; beyond, greedy
 
 
 @dataclass(frozen=True)
-class Plan:
-    """An ordered list of pairwise contractions.
+class TensorSpec:
+    """One tensor of a network: its indices, whether it needs a gradient, whether it depends on the rows."""
 
-    inputs: index string of each operand; output: index string of the result; sizes: size of each index;
-    path: (i, j) pairs in opt_einsum's convention (both popped, result appended); equations: the einsum
-    equation of each step; flops: the forward FLOPs (2 per multiply-add)."""
+    name: str
+    indices: str
+    requires_grad: bool = True
+    per_row: bool = False
 
-    inputs: tuple[str, ...]
-    output: str
+
+@dataclass(frozen=True)
+class Network:
+    """Tensors with named indices (one letter each), the size of every index and the output's indices."""
+
+    tensors: tuple[TensorSpec, ...]
     sizes: tuple[tuple[str, int], ...]
-    path: tuple[tuple[int, int], ...]
-    equations: tuple[str, ...]
-    flops: int
+    output: str
 
-    def describe(self) -> str:
-        """One line per step: the contraction and its FLOPs."""
-        return "\n".join(f"{eq}" for eq in self.equations)
+    @property
+    def size_of(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def graph(self) -> nx.MultiGraph:
+        """Tensors as nodes, one edge per shared index (attribute `index`, `size`)."""
+        g = nx.MultiGraph()
+        sizes = self.size_of
+        for i, t in enumerate(self.tensors):
+            g.add_node(i, name=t.name, indices=t.indices)
+        for i, a in enumerate(self.tensors):
+            for j in range(i + 1, len(self.tensors)):
+                for c in set(a.indices) & set(self.tensors[j].indices):
+                    g.add_edge(i, j, index=c, size=sizes[c])
+        return g
 
 
 def pairwise_flops(a: str, b: str, out: str, sizes: dict[str, int]) -> int:
-    """FLOPs of contracting two operands: 2 per multiply-add when an index is summed, else 1 per product."""
+    """FLOPs of contracting two tensors: 2 per multiply-add when an index is summed, else 1 per product."""
     involved = set(a) | set(b)
     n = math.prod(sizes[i] for i in involved)
-    summed = involved - set(out)
-    return 2 * n if summed else n
+    return 2 * n if involved - set(out) else n
 
 
-def tt_linear_network(spec: TTSpec, rows: int) -> tuple[tuple[str, ...], str, dict[str, int]]:
-    """Index strings of X[b, i_1..i_d] and the 2d cores of a TT linear map, and of the output Y[b, j_1..j_d].
+def tt_linear_network(spec: TTSpec, rows: int, input_requires_grad: bool = True) -> Network:
+    """X[b, i_1..i_d] and the 2d cores of a TT linear map; output Y[b, j_1..j_d].
 
     Boundary ranks (always 1) are dropped, so the first core is (i_1, a_1) and the last (a_{2d-1}, j_d)."""
-    d_in, d_out = len(spec.in_modes), len(spec.out_modes)
-    n = d_in + d_out
+    d_in = len(spec.in_modes)
+    n = d_in + len(spec.out_modes)
     letters = iter(_LETTERS)
     batch = next(letters)
     phys = [next(letters) for _ in range(n)]
     bonds = [next(letters) for _ in range(n - 1)]
     sizes = {batch: rows}
-    for p, s in zip(phys, spec.in_modes + spec.out_modes):
-        sizes[p] = s
-    for b, r in zip(bonds, spec.ranks[1:-1]):
-        sizes[b] = r
-    cores = []
+    sizes.update(zip(phys, spec.in_modes + spec.out_modes))
+    sizes.update(zip(bonds, spec.ranks[1:-1]))
+    tensors = [TensorSpec("x", batch + "".join(phys[:d_in]), input_requires_grad, per_row=True)]
     for k in range(n):
         idx = (bonds[k - 1] if k > 0 else "") + phys[k] + (bonds[k] if k < n - 1 else "")
-        cores.append(idx)
-    x = batch + "".join(phys[:d_in])
-    y = batch + "".join(phys[d_in:])
-    return (x, *cores), y, sizes
+        tensors.append(TensorSpec(f"core{k}", idx))
+    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(phys[d_in:]))
 
 
-def _equations(inputs: tuple[str, ...], output: str, path) -> tuple[str, ...]:
-    ops = list(inputs)
-    eqs = []
-    for i, j in path:
-        a, b = ops[i], ops[j]
+def ttm_embedding_network(spec: TTSpec, rows: int) -> Network:
+    """The gathered core slices S_k[b, a_{k-1}, e_k, a_k] of `rows` TTM lookups; output E[b, e_1..e_d].
+
+    The row index b is shared by every slice (a hyperedge): each lookup contracts its own chain."""
+    d = len(spec.in_modes)
+    letters = iter(_LETTERS)
+    batch = next(letters)
+    cols = [next(letters) for _ in range(d)]
+    bonds = [next(letters) for _ in range(d - 1)]
+    sizes = {batch: rows}
+    sizes.update(zip(cols, spec.out_modes))
+    sizes.update(zip(bonds, spec.ranks[1:-1]))
+    tensors = []
+    for k in range(d):
+        idx = batch + (bonds[k - 1] if k > 0 else "") + cols[k] + (bonds[k] if k < d - 1 else "")
+        tensors.append(TensorSpec(f"slice{k}", idx, per_row=True))
+    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(cols))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Plans
+
+
+Tree = "int | tuple[Tree, Tree]"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pairwise contraction of a plan."""
+
+    equation: str
+    flops: int
+    train_flops: int
+    out_size: int
+    per_row: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A contraction tree with its costs.
+
+    path: (i, j) pairs in opt_einsum's convention (both popped, result appended), with the einsum
+    equation of each step; flops: forward FLOPs; training_flops: forward plus backward; memory: elements
+    of the intermediates kept for the backward."""
+
+    network: Network
+    tree: object
+    path: tuple[tuple[int, int], ...]
+    steps: tuple[Step, ...]
+
+    @property
+    def equations(self) -> tuple[str, ...]:
+        return tuple(s.equation for s in self.steps)
+
+    @property
+    def flops(self) -> int:
+        return sum(s.flops for s in self.steps)
+
+    @property
+    def training_flops(self) -> int:
+        return sum(s.train_flops for s in self.steps)
+
+    @property
+    def memory(self) -> int:
+        return sum(s.out_size for s in self.steps[:-1])
+
+    def describe(self) -> str:
+        """One line per pairwise contraction with its forward and training FLOPs."""
+        lines = []
+        for s in self.steps:
+            tag = "rows" if s.per_row else "cores only"
+            lines.append(f"{s.equation:<28} {s.flops:>14,} fwd {s.train_flops:>14,} train  ({tag})")
+        lines.append(f"{'total':<28} {self.flops:>14,} fwd {self.training_flops:>14,} train")
+        return "\n".join(lines)
+
+
+def _leaves(tree) -> list[int]:
+    return [tree] if isinstance(tree, int) else _leaves(tree[0]) + _leaves(tree[1])
+
+
+def plan_from_tree(net: Network, tree, training: bool = True) -> Plan:
+    """Cost a contraction tree (nested pairs of tensor positions) and lay it out as a path.
+
+    Steps are ordered so cores-only subtrees come first (they do not depend on the rows and can be computed
+    once per step and shared)."""
+    sizes = net.size_of
+    tensors = net.tensors
+    ops: list[tuple[str, frozenset[int]]] = [(t.indices, frozenset([i])) for i, t in enumerate(tensors)]
+    all_ids = frozenset(range(len(tensors)))
+
+    def needed_outside(members: frozenset[int]) -> set[str]:
+        keep = set(net.output)
+        for i in all_ids - members:
+            keep.update(tensors[i].indices)
+        return keep
+
+    internal: list[tuple] = []
+
+    def collect(t):
+        if isinstance(t, int):
+            return
+        collect(t[0])
+        collect(t[1])
+        internal.append(t)
+
+    collect(tree)
+    # Cores-only subtrees first, keeping children before parents.
+    per_row_of = {}
+    for t in internal:
+        per_row_of[t] = any(tensors[i].per_row for i in _leaves(t))
+    order = [t for t in internal if not per_row_of[t]] + [t for t in internal if per_row_of[t]]
+
+    path, steps = [], []
+    for t in order:
+        left, right = frozenset(_leaves(t[0])), frozenset(_leaves(t[1]))
+        i = next(k for k, (_, m) in enumerate(ops) if m == left)
+        j = next(k for k, (_, m) in enumerate(ops) if m == right)
+        a, b = ops[i][0], ops[j][0]
+        members = left | right
+        keep = needed_outside(members)
+        out = "".join(c for c in dict.fromkeys(a + b) if c in keep)
+        if members == all_ids:
+            out = net.output
+        fl = pairwise_flops(a, b, out, sizes)
+        grads = sum(any(tensors[m].requires_grad for m in side) for side in (left, right))
+        steps.append(Step(f"{a},{b}->{out}", fl, fl * (1 + grads) if training else fl,
+                          math.prod(sizes[c] for c in out), per_row_of[t]))
+        path.append((i, j))
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
-        keep = set(output).union(*ops) if ops else set(output)
-        out = "".join(c for c in dict.fromkeys(a + b) if c in keep)
-        eqs.append(f"{a},{b}->{out}")
-        ops.append(out)
-    return tuple(eqs)
+        ops.append((out, members))
+    return Plan(net, tree, tuple(path), tuple(steps))
 
 
-def make_plan(inputs: tuple[str, ...], output: str, sizes: dict[str, int], path) -> Plan:
-    """A Plan for an explicit path; the FLOPs are counted with pairwise_flops."""
-    eqs = _equations(inputs, output, path)
-    flops = 0
-    for eq in eqs:
-        lhs, out = eq.split("->")
-        a, b = lhs.split(",")
-        flops += pairwise_flops(a, b, out, sizes)
-    final = eqs[-1].split("->")[1] if eqs else inputs[0]
-    if final != output:  # the last step's natural index order may differ from the requested output
-        eqs = eqs[:-1] + (eqs[-1].split("->")[0] + "->" + output,)
-    return Plan(tuple(inputs), output, tuple(sorted(sizes.items())), tuple(tuple(p) for p in path), eqs, flops)
+def search(net: Network, training: bool = True) -> Plan:
+    """The contraction tree of least cost: training cost (forward + backward) when `training`, else
+    forward FLOPs; ties broken by the memory kept for backward.
+
+    Exact dynamic programme over all subsets up to EXACT_ALL_SUBSETS tensors (outer products included),
+    over connected subsets up to EXACT_CONNECTED, greedy beyond."""
+    n = len(net.tensors)
+    if n == 1:
+        return plan_from_tree(net, 0, training)
+    if n > EXACT_CONNECTED:
+        return plan_from_tree(net, _greedy(net, training), training)
+    sizes = net.size_of
+    letters = sorted(sizes)
+    bit = {c: 1 << k for k, c in enumerate(letters)}
+    logsize = [sizes[c] for c in letters]
+    tensor_bits = []
+    for t in net.tensors:
+        m = 0
+        for c in t.indices:
+            m |= bit[c]
+        tensor_bits.append(m)
+    out_bits = 0
+    for c in net.output:
+        out_bits |= bit[c]
+    full = (1 << n) - 1
+
+    # For every subset: union of its indices, and the indices its intermediate keeps.
+    union = [0] * (full + 1)
+    grad = [False] * (full + 1)
+    for s in range(1, full + 1):
+        low = s & -s
+        k = low.bit_length() - 1
+        union[s] = union[s ^ low] | tensor_bits[k]
+        grad[s] = grad[s ^ low] or net.tensors[k].requires_grad
+    # indices appearing outside subset s: union of the complement, plus the output
+    kept = [0] * (full + 1)
+    for s in range(1, full + 1):
+        kept[s] = union[s] & (union[full ^ s] | out_bits)
+
+    def prod(mask: int) -> int:
+        p, k = 1, 0
+        while mask:
+            if mask & 1:
+                p *= logsize[k]
+            mask >>= 1
+            k += 1
+        return p
+
+    size_cache: dict[int, int] = {}
+
+    def size(mask: int) -> int:
+        v = size_cache.get(mask)
+        if v is None:
+            v = size_cache[mask] = prod(mask)
+        return v
+
+    connected_only = n > EXACT_ALL_SUBSETS
+    best: dict[int, tuple[int, int, object]] = {}
+    for k in range(n):
+        best[1 << k] = (0, 0, k)
+    for s in sorted(range(1, full + 1), key=lambda m: bin(m).count("1")):
+        if s & (s - 1) == 0:
+            continue
+        cand = None
+        low = s & -s
+        sub = (s - 1) & s
+        while sub:
+            if sub & low:  # each unordered split once: the part holding the lowest tensor
+                other = s ^ sub
+                if sub in best and other in best:
+                    shared = kept[sub] & kept[other]
+                    if shared or not connected_only:
+                        involved = kept[sub] | kept[other]
+                        out = kept[s] if s != full else out_bits
+                        fl = size(involved) * (2 if involved & ~out else 1)
+                        mult = 1 + (grad[sub] + grad[other] if training else 0)
+                        c1, m1, t1 = best[sub]
+                        c2, m2, t2 = best[other]
+                        cost = c1 + c2 + fl * mult
+                        mem = m1 + m2 + (size(out) if s != full else 0)
+                        if cand is None or (cost, mem) < (cand[0], cand[1]):
+                            cand = (cost, mem, (t1, t2))
+            sub = (sub - 1) & s
+        if cand is not None:
+            best[s] = cand
+    if full not in best:  # a disconnected network with the connected-only search: fall back
+        return plan_from_tree(net, _greedy(net, training), training)
+    return plan_from_tree(net, best[full][2], training)
+
+
+def _greedy(net: Network, training: bool):
+    """Repeatedly contract the pair whose contraction is cheapest (connected pairs first)."""
+    sizes = net.size_of
+    items = [(t.indices, i, t.requires_grad) for i, t in enumerate(net.tensors)]
+    while len(items) > 1:
+        best = None
+        for x in range(len(items)):
+            for y in range(x + 1, len(items)):
+                a, b = items[x][0], items[y][0]
+                others = set(net.output).union(*(it[0] for k, it in enumerate(items) if k not in (x, y)))
+                out = "".join(c for c in dict.fromkeys(a + b) if c in others)
+                key = (not (set(a) & set(b)), pairwise_flops(a, b, out, sizes))
+                if best is None or key < best[0]:
+                    best = (key, x, y, out)
+        _, x, y, out = best
+        merged = (out, (items[x][1], items[y][1]), items[x][2] or items[y][2])
+        items = [it for k, it in enumerate(items) if k not in (x, y)] + [merged]
+    return items[0][1]
+
+
+def reference_tree(spec: TTSpec):
+    """The reference implementation's fixed order: merge the input cores left to right into an N x r
+    matrix, merge the output cores into an r x M matrix, then two GEMMs: (X A) B."""
+    d_in, n = len(spec.in_modes), len(spec.in_modes) + len(spec.out_modes)
+    a = 1
+    for k in range(2, d_in + 1):
+        a = (a, k)
+    b = d_in + 1
+    for k in range(d_in + 2, n + 1):
+        b = (b, k)
+    return ((0, a), b)
 
 
 @lru_cache(maxsize=4096)
-def plan_tt_linear(spec: TTSpec, rows: int) -> Plan:
-    """The forward plan of a TT linear map applied to `rows` rows: the FLOP-optimal pairwise order
-    (opt_einsum's dynamic programming over connected subsets), computed once per (spec, rows)."""
-    inputs, output, sizes = tt_linear_network(spec, max(int(rows), 1))
-    shapes = [tuple(sizes[c] for c in idx) for idx in inputs]
-    eq = ",".join(inputs) + "->" + output
-    path, _ = opt_einsum.contract_path(eq, *shapes, shapes=True, optimize="dp")
-    return make_plan(inputs, output, sizes, path)
+def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> Plan:
+    """The best plan of a TT linear map on `rows` rows, searched once per shape and cached."""
+    return search(tt_linear_network(spec, max(int(rows), 1), input_requires_grad), training)
 
 
-def execute(plan: Plan, operands: list[torch.Tensor]) -> torch.Tensor:
-    """Run a plan's pairwise contractions on the operands (given in the plan's input order)."""
+def execute(plan: Plan, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Run a plan's pairwise contractions on the operands (in the network's tensor order)."""
     ops = list(operands)
-    for (i, j), eq in zip(plan.path, plan.equations):
+    for (i, j), step in zip(plan.path, plan.steps):
         a, b = ops[i], ops[j]
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
-        ops.append(torch.einsum(eq, a, b))
+        ops.append(torch.einsum(step.equation, a, b))
     return ops[0]
