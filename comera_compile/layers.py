@@ -35,6 +35,15 @@ def _check_float_dtype(dtype: torch.dtype | None) -> None:
                         f"Use a float dtype such as torch.float32")
 
 
+def _has_data(t: torch.Tensor) -> bool:
+    """True for a real tensor in eager mode: not while compiling, not a fake or meta tensor."""
+    if torch.compiler.is_compiling() or t.is_meta:
+        return False
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(t)
+
+
 class TTLayer(nn.Module):
     """Common part of the TT layers: the spec, the cores and the gates."""
 
@@ -244,10 +253,10 @@ class TTEmbedding(TTLayer):
         if indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"TTEmbedding expects integer indices (torch.long or torch.int), got {indices.dtype}")
         flat = indices.reshape(-1).long()
-        if not torch.compiler.is_compiling() and flat.numel():
-            if bool((flat < 0).any()) or bool((flat >= self.num_embeddings).any()):
-                raise IndexError("index out of range in self")
-        if flat.numel() and not torch.compiler.is_compiling():
+        concrete = flat.numel() > 0 and _has_data(flat)
+        if concrete and (bool((flat < 0).any()) or bool((flat >= self.num_embeddings).any())):
+            raise IndexError("index out of range in self")
+        if concrete:  # look up each distinct row once (data-dependent shapes: eager only)
             uniq, inverse = torch.unique(flat, return_inverse=True)
             out = self._lookup(uniq).index_select(0, inverse)
         else:

@@ -182,7 +182,7 @@ def _leaves(tree) -> list[int]:
     return [tree] if isinstance(tree, int) else _leaves(tree[0]) + _leaves(tree[1])
 
 
-def plan_from_tree(net: Network, tree, training: bool = True) -> Plan:
+def plan_from_tree(net: Network, tree) -> Plan:
     """Cost a contraction tree (nested pairs of tensor positions) and lay it out as a path.
 
     Steps are ordered so cores-only subtrees come first (they do not depend on the rows and can be computed
@@ -222,18 +222,25 @@ def plan_from_tree(net: Network, tree, training: bool = True) -> Plan:
         a, b = ops[i][0], ops[j][0]
         members = left | right
         keep = needed_outside(members)
-        out = "".join(c for c in dict.fromkeys(a + b) if c in keep)
+        out = _natural_order(a, b, keep)
         if members == all_ids:
             out = net.output
         fl = pairwise_flops(a, b, out, sizes)
         grads = sum(any(tensors[m].requires_grad for m in side) for side in (left, right))
-        steps.append(Step(f"{a},{b}->{out}", fl, fl * (1 + grads) if training else fl,
+        steps.append(Step(f"{a},{b}->{out}", fl, fl * (1 + grads),
                           math.prod(sizes[c] for c in out), per_row_of[t]))
         path.append((i, j))
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
         ops.append((out, members))
     return Plan(net, tree, tuple(path), tuple(steps))
+
+
+def _natural_order(a: str, b: str, keep: set[str]) -> str:
+    """Index order of an intermediate as a batched GEMM produces it: shared kept indices (batch), then
+    a's own, then b's own, so executing the contraction needs no permute of its result."""
+    shared = [c for c in a if c in b and c in keep]
+    return "".join(shared + [c for c in a if c in keep and c not in b] + [c for c in b if c in keep and c not in a])
 
 
 def search(net: Network, training: bool = True) -> Plan:
@@ -244,9 +251,9 @@ def search(net: Network, training: bool = True) -> Plan:
     over connected subsets up to EXACT_CONNECTED, greedy beyond."""
     n = len(net.tensors)
     if n == 1:
-        return plan_from_tree(net, 0, training)
+        return plan_from_tree(net, 0)
     if n > EXACT_CONNECTED:
-        return plan_from_tree(net, _greedy(net, training), training)
+        return plan_from_tree(net, _greedy(net))
     sizes = net.size_of
     letters = sorted(sizes)
     bit = {c: 1 << k for k, c in enumerate(letters)}
@@ -322,11 +329,11 @@ def search(net: Network, training: bool = True) -> Plan:
         if cand is not None:
             best[s] = cand
     if full not in best:  # a disconnected network with the connected-only search: fall back
-        return plan_from_tree(net, _greedy(net, training), training)
-    return plan_from_tree(net, best[full][2], training)
+        return plan_from_tree(net, _greedy(net))
+    return plan_from_tree(net, best[full][2])
 
 
-def _greedy(net: Network, training: bool):
+def _greedy(net: Network):
     """Repeatedly contract the pair whose contraction is cheapest (connected pairs first)."""
     sizes = net.size_of
     items = [(t.indices, i, t.requires_grad) for i, t in enumerate(net.tensors)]

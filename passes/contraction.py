@@ -1,0 +1,141 @@
+"""Expand TT-layer nodes of an FX graph into their planned pairwise contractions.
+
+Each ``call_module`` node of a TTLinear becomes: get_attr of its cores and gates, the gates folded into
+the cores, a reshape of the activation into its modes, one ``torch.einsum`` node per pairwise contraction
+in the order the planner chose for the node's real shapes (from node metadata, or from example inputs run
+through fake tensors), then the reshape, padding cut and bias.  ``print(gm.code)`` shows the order, each
+contraction commented with its FLOPs; the FLOPs are also in ``node.meta["comera_flops"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from comera_compile.layers import TTLinear
+
+__all__ = ["expand_contractions"]
+
+
+def _shape_of(node: torch.fx.Node) -> tuple[int, ...] | None:
+    val = node.meta.get("val", node.meta.get("example_value"))
+    if isinstance(val, torch.Tensor):
+        return tuple(val.shape)
+    tm = node.meta.get("tensor_meta")
+    return tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None
+
+
+def _propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    FakeTensorProp(gm, mode).propagate(*fake)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.2f} {unit}FLOP"
+    return f"{x:.0f} FLOP"
+
+
+def _comment_transformer(comments: dict[str, str]):
+    """A code transformer (Graph.on_generate_code) appending a comment to the lines defining given names."""
+
+    def make(prev):
+        def transform(body: list[str]) -> list[str]:
+            body = prev(body) if prev is not None else body
+            lines = "".join(body).split("\n")
+            out = []
+            for line in lines:
+                name = line.strip().split(" = ", 1)[0]
+                out.append(f"{line}  # {comments[name]}" if " = " in line and name in comments else line)
+            return ["\n".join(out)]
+
+        return transform
+
+    return make
+
+
+def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None, *,
+                        training: bool | None = None) -> torch.fx.GraphModule:
+    """Replace every TTLinear call in `gm` by its planned pairwise contractions, in place; returns gm.
+
+    Shapes come from the nodes' metadata (dynamo and AOTAutograd graphs carry them) or, when missing, from
+    running `example_inputs` through fake tensors.  `training` picks the plan's objective: forward +
+    backward FLOPs (True) or forward FLOPs (False); default: gm.training."""
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"expand_contractions takes a torch.fx.GraphModule, got {type(gm).__name__}; "
+                        f"get one from comera_compile.tensorize(model) or torch.fx.symbolic_trace(model)")
+    training = gm.training if training is None else training
+    tt_nodes = [n for n in gm.graph.nodes if n.op == "call_module"
+                and isinstance(gm.get_submodule(n.target), TTLinear)]
+    if not tt_nodes:
+        return gm
+    if any(_shape_of(n.args[0]) is None for n in tt_nodes):
+        if example_inputs is None:
+            raise ValueError("expand_contractions needs the input shapes: pass example_inputs (real or fake "
+                             "tensors, as for gm(*example_inputs)), or a graph whose nodes carry "
+                             "meta['val'] as dynamo's and AOTAutograd's do")
+        _propagate_shapes(gm, example_inputs)
+    graph = gm.graph
+    comments: dict[str, str] = {}
+    for node in tt_nodes:
+        mod: TTLinear = gm.get_submodule(node.target)
+        spec = mod.spec
+        (x,) = node.args
+        shape = _shape_of(x)
+        lead = shape[:-1]
+        rows = math.prod(lead)
+        plan = mod.plan(rows, training, training)
+        prefix = node.target.replace(".", "_")
+        with graph.inserting_before(node):
+
+            def emit(op: str, target, args, suffix: str) -> torch.fx.Node:
+                return graph.create_node(op, target, args, name=f"{prefix}_{suffix}")
+
+            ops = []
+            for k, shape_k in enumerate(spec.core_shapes):
+                core = graph.get_attr(f"{node.target}.cores.{k}")
+                if k < len(spec.gate_sizes):
+                    gate = graph.get_attr(f"{node.target}.gates.{k}")
+                    core = emit("call_function", operator.mul, (core, gate), f"gated{k}")
+                if k == 0:
+                    core = emit("call_method", "reshape", (core, shape_k[1], shape_k[2]), f"core{k}")
+                elif k == len(spec.core_shapes) - 1:
+                    core = emit("call_method", "reshape", (core, shape_k[0], shape_k[1]), f"core{k}")
+                ops.append(core)
+            h = emit("call_method", "reshape", (x, rows, spec.in_features), "rows")
+            if spec.in_padded != spec.in_features:
+                h = emit("call_function", F.pad, (h, (0, spec.in_padded - spec.in_features)), "padded")
+            ops.insert(0, emit("call_method", "reshape", (h, rows, *spec.in_modes), "modes"))
+            for step_no, ((i, j), step) in enumerate(zip(plan.path, plan.steps)):
+                a, b = ops[i], ops[j]
+                for k in sorted((i, j), reverse=True):
+                    ops.pop(k)
+                c = emit("call_function", torch.einsum, (step.equation, a, b), f"contract{step_no}")
+                c.meta["comera_flops"] = step.flops
+                c.meta["comera_train_flops"] = step.train_flops
+                comments[c.name] = (f"{_si(step.flops)} fwd, {_si(step.train_flops)} fwd+bwd"
+                                    + ("" if step.per_row else ", cores only"))
+                ops.append(c)
+            y = emit("call_method", "reshape", (ops[0], rows, spec.out_padded), "flat")
+            if spec.out_padded != spec.out_features:
+                y = emit("call_function", operator.getitem, (y, (slice(None), slice(0, spec.out_features))),
+                         "unpadded")
+            if mod.bias is not None:
+                y = emit("call_function", operator.add, (y, graph.get_attr(f"{node.target}.bias")), "biased")
+            y = emit("call_method", "reshape", (y, *lead, spec.out_features), "out")
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+    graph.on_generate_code(_comment_transformer(comments))
+    graph.lint()
+    gm.recompile()
+    return gm
