@@ -32,6 +32,7 @@ __all__ = [
     "plan_from_tree",
     "plan_tt_linear",
     "reference_tree",
+    "contract_pair",
     "execute",
 ]
 
@@ -137,6 +138,7 @@ class Step:
     train_flops: int
     out_size: int
     per_row: bool
+    recipe: tuple = ()  # how contract_pair runs it (see _recipe)
 
 
 @dataclass(frozen=True)
@@ -227,8 +229,10 @@ def plan_from_tree(net: Network, tree) -> Plan:
             out = net.output
         fl = pairwise_flops(a, b, out, sizes)
         grads = sum(any(tensors[m].requires_grad for m in side) for side in (left, right))
-        steps.append(Step(f"{a},{b}->{out}", fl, fl * (1 + grads),
-                          math.prod(sizes[c] for c in out), per_row_of[t]))
+        eq = f"{a},{b}->{out}"
+        a_bigger = math.prod(sizes[c] for c in a) >= math.prod(sizes[c] for c in b)
+        steps.append(Step(eq, fl, fl * (1 + grads), math.prod(sizes[c] for c in out), per_row_of[t],
+                          _recipe(eq, net.sizes, a_bigger)))
         path.append((i, j))
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
@@ -372,12 +376,72 @@ def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_require
     return search(tt_linear_network(spec, max(int(rows), 1), input_requires_grad), training)
 
 
-def execute(plan: Plan, operands: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Run a plan's pairwise contractions on the operands (in the network's tensor order)."""
+@lru_cache(maxsize=65536)
+def _recipe(equation: str, sizes: tuple[tuple[str, int], ...], a_bigger: bool) -> tuple:
+    """How to run one pairwise contraction as a (batched) matrix product on views.
+
+    Indices split into batch (in both, kept), contracted (in both, summed), a's own and b's own (kept);
+    indices found in one operand only and not kept are summed first.  Each operand is brought to
+    (batch, rows, cols) by a reshape when its layout allows (a view), else by a permute first.  The shared
+    indices follow the bigger operand's order, so the big tensor is never copied."""
+    size = dict(sizes)
+    lhs, out = equation.split("->")
+    a, b = lhs.split(",")
+    big, small = (a, b) if a_bigger else (b, a)
+    batch = [c for c in big if c in small and c in out]
+    contract = [c for c in big if c in small and c not in out]
+    a_keep = [c for c in a if c not in b and c in out]
+    b_keep = [c for c in b if c not in a and c in out]
+
+    def side(idx: str, first: list[str], second: list[str]):
+        pre_sum = tuple(k for k, c in enumerate(idx) if c not in out and c not in contract)
+        rest = "".join(c for c in idx if c in out or c in contract)
+        dims = tuple(math.prod(size[c] for c in g) for g in (batch, first, second))
+        if rest == "".join(batch + first + second):
+            return pre_sum, None, dims, False
+        if rest == "".join(batch + second + first):
+            return pre_sum, None, (dims[0], dims[2], dims[1]), True
+        perm = tuple(rest.index(c) for c in batch + first + second)
+        return pre_sum, perm, dims, False
+
+    natural = "".join(batch + a_keep + b_keep)
+    final = None if natural == out else tuple(natural.index(c) for c in out)
+    out_shape = tuple(size[c] for c in natural)
+    return side(a, a_keep, contract), side(b, contract, b_keep), bool(batch), out_shape, final
+
+
+def _operand(t: torch.Tensor, recipe: tuple, batched: bool) -> torch.Tensor:
+    pre_sum, perm, dims, transposed = recipe
+    if pre_sum:
+        t = t.sum(dim=pre_sum)
+    if perm is not None:
+        t = t.permute(*perm)
+    if not batched:
+        dims = dims[1:]
+    t = t.reshape(dims)
+    return t.transpose(-1, -2) if transposed else t
+
+
+def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple) -> torch.Tensor:
+    """One pairwise contraction as reshapes/permutes and one matmul (batched when indices are shared
+    and kept), following a recipe from _recipe.  Only static sizes are used, so FX proxies work too."""
+    ra, rb, batched, out_shape, final = recipe
+    z = torch.matmul(_operand(a, ra, batched), _operand(b, rb, batched)).reshape(out_shape)
+    return z if final is None else z.permute(*final)
+
+
+def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None) -> torch.Tensor:
+    """Run a plan's pairwise contractions on the operands (in the network's tensor order).
+
+    Each step is a matmul on reshaped views (see contract_pair).  Works on FX proxies too, which is how
+    passes.contraction writes the same ops into a graph; on_step(k, step, result) sees each result."""
     ops = list(operands)
-    for (i, j), step in zip(plan.path, plan.steps):
+    for k, ((i, j), step) in enumerate(zip(plan.path, plan.steps)):
         a, b = ops[i], ops[j]
-        for k in sorted((i, j), reverse=True):
-            ops.pop(k)
-        ops.append(torch.einsum(step.equation, a, b))
+        for m in sorted((i, j), reverse=True):
+            ops.pop(m)
+        c = contract_pair(a, b, step.recipe)
+        if on_step is not None:
+            on_step(k, step, c)
+        ops.append(c)
     return ops[0]

@@ -1,10 +1,11 @@
 """Expand TT-layer nodes of an FX graph into their planned pairwise contractions.
 
 Each ``call_module`` node of a TTLinear becomes: get_attr of its cores and gates, the gates folded into
-the cores, a reshape of the activation into its modes, one ``torch.einsum`` node per pairwise contraction
-in the order the planner chose for the node's real shapes (from node metadata, or from example inputs run
-through fake tensors), then the reshape, padding cut and bias.  ``print(gm.code)`` shows the order, each
-contraction commented with its FLOPs; the FLOPs are also in ``node.meta["comera_flops"]``.
+the cores, a reshape of the activation into its modes, then per pairwise contraction, in the order the
+planner chose for the node's real shapes (from node metadata, or from example inputs run through fake
+tensors), the reshape / permute / matmul nodes that compute it -- the very ops the eager layer runs
+(network.execute, here applied to FX proxies) -- then the padding cut and bias.  ``print(gm.code)`` shows
+the order, each contraction commented with its equation and FLOPs; the figures are also in node.meta.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from comera_compile import network
 from comera_compile.layers import TTLinear
 
 __all__ = ["expand_contractions"]
@@ -116,17 +118,18 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
             if spec.in_padded != spec.in_features:
                 h = emit("call_function", F.pad, (h, (0, spec.in_padded - spec.in_features)), "padded")
             ops.insert(0, emit("call_method", "reshape", (h, rows, *spec.in_modes), "modes"))
-            for step_no, ((i, j), step) in enumerate(zip(plan.path, plan.steps)):
-                a, b = ops[i], ops[j]
-                for k in sorted((i, j), reverse=True):
-                    ops.pop(k)
-                c = emit("call_function", torch.einsum, (step.equation, a, b), f"contract{step_no}")
-                c.meta["comera_flops"] = step.flops
-                c.meta["comera_train_flops"] = step.train_flops
-                comments[c.name] = (f"{_si(step.flops)} fwd, {_si(step.train_flops)} fwd+bwd"
-                                    + ("" if step.per_row else ", cores only"))
-                ops.append(c)
-            y = emit("call_method", "reshape", (ops[0], rows, spec.out_padded), "flat")
+            tracer = torch.fx.proxy.GraphAppendingTracer(graph)
+
+            def annotate(k: int, step, result: torch.fx.Proxy) -> None:
+                result.node.meta["comera_flops"] = step.flops
+                result.node.meta["comera_train_flops"] = step.train_flops
+                result.node.meta["comera_contraction"] = step.equation
+                comments[result.node.name] = (
+                    f"{node.target} contraction {k}: {step.equation}, {_si(step.flops)} fwd, "
+                    f"{_si(step.train_flops)} fwd+bwd" + ("" if step.per_row else ", cores only"))
+
+            result = network.execute(plan, [torch.fx.Proxy(o, tracer) for o in ops], on_step=annotate)
+            y = emit("call_method", "reshape", (result.node, rows, spec.out_padded), "flat")
             if spec.out_padded != spec.out_features:
                 y = emit("call_function", operator.getitem, (y, (slice(None), slice(0, spec.out_features))),
                          "unpadded")

@@ -62,12 +62,13 @@ def test_expanded_code_shows_the_order_with_flops():
     gm = cc.tensorize(TwoLayer(), rank=4, min_features=1)
     expanded = expand_contractions(gm, (torch.zeros(16, 37),))
     code = expanded.code
-    assert "up_contract0 = torch.functional.einsum(" in code
-    assert "FLOP fwd" in code and "fwd+bwd" in code
-    nodes = [n for n in expanded.graph.nodes if "comera_flops" in n.meta]
     plan = gm.up.plan(16)
-    up_nodes = [n for n in nodes if n.name.startswith("up_contract")]
-    assert [n.args[0] for n in up_nodes] == list(plan.equations)
+    for k, eq in enumerate(plan.equations):
+        assert f"# up contraction {k}: {eq}," in code
+    assert "torch.matmul(" in code and "einsum" not in code
+    assert "FLOP fwd" in code and "fwd+bwd" in code
+    up_nodes = [n for n in expanded.graph.nodes if "comera_flops" in n.meta][: len(plan.steps)]  # first layer
+    assert [n.meta["comera_contraction"] for n in up_nodes] == list(plan.equations)
     assert sum(n.meta["comera_flops"] for n in up_nodes) == plan.flops
 
 
@@ -75,7 +76,7 @@ def test_plan_follows_the_real_row_count():
     gm = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), rank=30, min_features=1)
     small = expand_contractions(copy.deepcopy(gm), (torch.zeros(1, 768),))
     large = expand_contractions(copy.deepcopy(gm), (torch.zeros(4096, 768),))
-    eq = lambda g: [n.args[0] for n in g.graph.nodes if n.target is torch.einsum]
+    eq = lambda g: [n.meta["comera_contraction"] for n in g.graph.nodes if "comera_contraction" in n.meta]
     assert eq(small) != eq(large)
 
 

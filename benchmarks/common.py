@@ -1,0 +1,43 @@
+"""Timing helpers: interleaved repetitions, medians after warm-up, ratios against a baseline."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+__all__ = ["Measurement", "compare"]
+
+
+@dataclass
+class Measurement:
+    """Median seconds of each case, with every sample kept."""
+
+    name: str
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+
+def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: int = 10,
+            min_time: float = 0.0) -> dict[str, Measurement]:
+    """Time each case `repeat` times after `warmup` calls, interleaving the cases so slow drifts of the
+    machine hit all of them alike.  A case is repeated within one sample until min_time has passed."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    out = {name: Measurement(name) for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            n, t0 = 0, time.perf_counter()
+            while True:
+                fn()
+                n += 1
+                elapsed = time.perf_counter() - t0
+                if elapsed >= min_time:
+                    break
+            out[name].samples.append(elapsed / n)
+    return out
