@@ -155,9 +155,9 @@ class TTLinear(TTLayer):
         if spec.in_padded != self.in_features:
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
         x2 = x2.reshape(rows, *spec.in_modes)
-        training = torch.is_grad_enabled() and (x.requires_grad or any(c.requires_grad for c in self.cores))
-        plan = self.plan(rows, training, x.requires_grad)
-        y = network.execute(plan, [x2, *self._operands()])
+        training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
+        program = network.tt_linear_program(spec, rows, training, x.requires_grad)
+        y = network.run_program(program, [x2, *self._operands()])
         y = y.reshape(rows, spec.out_padded)
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]

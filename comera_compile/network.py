@@ -34,6 +34,8 @@ __all__ = [
     "reference_tree",
     "contract_pair",
     "execute",
+    "tt_linear_program",
+    "run_program",
 ]
 
 _LETTERS = string.ascii_letters
@@ -428,6 +430,32 @@ def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple) -> torch.Tens
     ra, rb, batched, out_shape, final = recipe
     z = torch.matmul(_operand(a, ra, batched), _operand(b, rb, batched)).reshape(out_shape)
     return z if final is None else z.permute(*final)
+
+
+@torch.compiler.assume_constant_result
+def tt_linear_program(spec: TTSpec, rows: int, training: bool = True,
+                      input_requires_grad: bool = True) -> tuple:
+    """The plan of plan_tt_linear as plain nested tuples, ((i, j, recipe), ...).
+
+    Under torch.compile this is evaluated once at trace time and its result baked into the graph as a
+    constant, so dynamo never traces the search (no graph break, nothing searched twice)."""
+    plan = plan_tt_linear(spec, rows, training, input_requires_grad)
+    return tuple((i, j, step.recipe) for (i, j), step in zip(plan.path, plan.steps))
+
+
+def run_program(program: tuple, operands: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Execute a program from tt_linear_program on the operands (network tensor order)."""
+    ops = list(operands)
+    for i, j, recipe in program:
+        a, b = ops[i], ops[j]
+        if i > j:
+            ops.pop(i)
+            ops.pop(j)
+        else:
+            ops.pop(j)
+            ops.pop(i)
+        ops.append(contract_pair(a, b, recipe))
+    return ops[0]
 
 
 def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None) -> torch.Tensor:
