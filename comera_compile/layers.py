@@ -235,15 +235,16 @@ class TTEmbedding(TTLayer):
         """Rows for a 1-D index tensor, shape (n, embedding_dim)."""
         s = self.spec
         n = flat.shape[0]
-        acc = None
+        acc, cols = None, 1
         for k, core in enumerate(self.gated_cores()):
             digit = torch.div(flat, self._strides[k], rounding_mode="floor") % s.in_modes[k]
             sl = core.index_select(1, digit)  # (r_{k-1}, n, e_k, r_k)
+            cols *= s.out_modes[k]
             if acc is None:
-                acc = sl.reshape(n, s.out_modes[0], s.ranks[1])
+                acc = sl.reshape(n, cols, s.ranks[1])
             else:
                 sl = sl.permute(1, 0, 2, 3).reshape(n, s.ranks[k], s.out_modes[k] * s.ranks[k + 1])
-                acc = torch.bmm(acc, sl).reshape(n, -1, s.ranks[k + 1])
+                acc = torch.bmm(acc, sl).reshape(n, cols, s.ranks[k + 1])
         out = acc.reshape(n, s.out_padded)
         if s.out_padded != self.embedding_dim:
             out = out[:, : self.embedding_dim]

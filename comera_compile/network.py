@@ -375,7 +375,7 @@ def reference_tree(spec: TTSpec):
 @lru_cache(maxsize=4096)
 def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> Plan:
     """The best plan of a TT linear map on `rows` rows, searched once per shape and cached."""
-    return search(tt_linear_network(spec, max(int(rows), 1), input_requires_grad), training)
+    return search(tt_linear_network(spec, int(rows), input_requires_grad), training)
 
 
 @lru_cache(maxsize=65536)
