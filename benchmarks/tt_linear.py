@@ -43,9 +43,11 @@ def run(quick: bool = False) -> list[dict]:
         def run_tt():
             tt(x).backward(grad)
 
-        def run_fixed():
-            y = nw.execute(fixed, [x.reshape(rows, *tt.spec.in_modes), *tt._operands()])
-            (y.reshape(rows, -1) + tt.bias).backward(grad)
+        def run_fixed():  # same executor and bias fusion as TTLinear: only the order differs
+            fused = nw.fuses_bias(fixed.steps[-1].recipe, 3072)
+            y = nw.execute(fixed, [x.reshape(rows, *tt.spec.in_modes), *tt._operands()],
+                           bias=tt.bias if fused else None).reshape(rows, -1)
+            (y if fused else y + tt.bias).backward(grad)
 
         m = compare({"nn.Linear": run_dense, "TT searched": run_tt, "TT fixed order": run_fixed},
                     repeat=repeat, min_time=0.02)

@@ -157,11 +157,12 @@ class TTLinear(TTLayer):
         x2 = x2.reshape(rows, *spec.in_modes)
         training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
         program = network.tt_linear_program(spec, rows, training, x.requires_grad)
-        y = network.run_program(program, [x2, *self._operands()])
+        fused = self.bias is not None and network.fuses_bias(program[-1][2], self.out_features)
+        y = network.run_program(program, [x2, *self._operands()], self.bias if fused else None)
         y = y.reshape(rows, spec.out_padded)
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]
-        if self.bias is not None:
+        if self.bias is not None and not fused:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 

@@ -33,6 +33,7 @@ __all__ = [
     "plan_tt_linear",
     "reference_tree",
     "contract_pair",
+    "fuses_bias",
     "execute",
     "tt_linear_program",
     "run_program",
@@ -424,11 +425,20 @@ def _operand(t: torch.Tensor, recipe: tuple, batched: bool) -> torch.Tensor:
     return t.transpose(-1, -2) if transposed else t
 
 
-def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple) -> torch.Tensor:
-    """One pairwise contraction as reshapes/permutes and one matmul (batched when indices are shared
-    and kept), following a recipe from _recipe.  Only static sizes are used, so FX proxies work too."""
+def fuses_bias(recipe: tuple, out_features: int) -> bool:
+    """Whether a final step can add a bias inside its GEMM (torch.addmm): a plain 2-D product whose
+    result is already in output order, with a column count equal to the bias length."""
     ra, rb, batched, out_shape, final = recipe
-    z = torch.matmul(_operand(a, ra, batched), _operand(b, rb, batched)).reshape(out_shape)
+    return not batched and final is None and rb[2][2 if not rb[3] else 1] == out_features
+
+
+def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One pairwise contraction as reshapes/permutes and one matmul (batched when indices are shared
+    and kept), following a recipe from _recipe.  Only static sizes are used, so FX proxies work too.
+    A bias (only where fuses_bias holds) is added by the GEMM itself."""
+    ra, rb, batched, out_shape, final = recipe
+    x, y = _operand(a, ra, batched), _operand(b, rb, batched)
+    z = (torch.matmul(x, y) if bias is None else torch.addmm(bias, x, y)).reshape(out_shape)
     return z if final is None else z.permute(*final)
 
 
@@ -443,10 +453,12 @@ def tt_linear_program(spec: TTSpec, rows: int, training: bool = True,
     return tuple((i, j, step.recipe) for (i, j), step in zip(plan.path, plan.steps))
 
 
-def run_program(program: tuple, operands: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Execute a program from tt_linear_program on the operands (network tensor order)."""
+def run_program(program: tuple, operands: Sequence[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Execute a program from tt_linear_program on the operands (network tensor order).  A bias is fused
+    into the last GEMM where fuses_bias allows; the caller checks that and passes None otherwise."""
     ops = list(operands)
-    for i, j, recipe in program:
+    last = len(program) - 1
+    for k, (i, j, recipe) in enumerate(program):
         a, b = ops[i], ops[j]
         if i > j:
             ops.pop(i)
@@ -454,11 +466,12 @@ def run_program(program: tuple, operands: Sequence[torch.Tensor]) -> torch.Tenso
         else:
             ops.pop(j)
             ops.pop(i)
-        ops.append(contract_pair(a, b, recipe))
+        ops.append(contract_pair(a, b, recipe, bias if k == last else None))
     return ops[0]
 
 
-def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None) -> torch.Tensor:
+def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
     """Run a plan's pairwise contractions on the operands (in the network's tensor order).
 
     Each step is a matmul on reshaped views (see contract_pair).  Works on FX proxies too, which is how
@@ -468,7 +481,7 @@ def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None) -> torch
         a, b = ops[i], ops[j]
         for m in sorted((i, j), reverse=True):
             ops.pop(m)
-        c = contract_pair(a, b, step.recipe)
+        c = contract_pair(a, b, step.recipe, bias if k == len(plan.steps) - 1 else None)
         if on_step is not None:
             on_step(k, step, c)
         ops.append(c)

@@ -128,12 +128,14 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                     f"{node.target} contraction {k}: {step.equation}, {_si(step.flops)} fwd, "
                     f"{_si(step.train_flops)} fwd+bwd" + ("" if step.per_row else ", cores only"))
 
-            result = network.execute(plan, [torch.fx.Proxy(o, tracer) for o in ops], on_step=annotate)
+            fused = mod.bias is not None and network.fuses_bias(plan.steps[-1].recipe, spec.out_features)
+            bias = torch.fx.Proxy(graph.get_attr(f"{node.target}.bias"), tracer) if fused else None
+            result = network.execute(plan, [torch.fx.Proxy(o, tracer) for o in ops], on_step=annotate, bias=bias)
             y = emit("call_method", "reshape", (result.node, rows, spec.out_padded), "flat")
             if spec.out_padded != spec.out_features:
                 y = emit("call_function", operator.getitem, (y, (slice(None), slice(0, spec.out_features))),
                          "unpadded")
-            if mod.bias is not None:
+            if mod.bias is not None and not fused:
                 y = emit("call_function", operator.add, (y, graph.get_attr(f"{node.target}.bias")), "biased")
             y = emit("call_method", "reshape", (y, *lead, spec.out_features), "out")
         node.replace_all_uses_with(y)
