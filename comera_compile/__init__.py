@@ -3,12 +3,15 @@
 Public API only; see README.md for a quick start.
 """
 
+from comera_compile.backend import comera_backend, compile_step, register as _register_backend
 from comera_compile.layers import TTEmbedding, TTLinear
 from comera_compile.passes.tensorize import PRESETS, LayerShape, TensorizeError, TensorizeSummary, tensorize
 from comera_compile.report import Explanation, explain
 from comera_compile.tt import TTSpec, make_spec
 
 __version__ = "0.1.0"
+
+_register_backend()
 
 __all__ = [
     "TTLinear",
@@ -22,4 +25,6 @@ __all__ = [
     "PRESETS",
     "explain",
     "Explanation",
+    "comera_backend",
+    "compile_step",
 ]

@@ -150,15 +150,27 @@ class TTLinear(TTLayer):
             raise ValueError(f"TTLinear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}")
         spec = self.spec
         lead = x.shape[:-1]
-        rows = math.prod(lead)
+        rows = 1
+        for n in lead:  # not math.prod: the sizes may be symbolic under torch.compile
+            rows = rows * n
         x2 = x.reshape(rows, self.in_features)
         if spec.in_padded != self.in_features:
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
         x2 = x2.reshape(rows, *spec.in_modes)
         training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
-        program = network.tt_linear_program(spec, rows, training, x.requires_grad)
+        if torch.compiler.is_compiling():
+            # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
+            # their thresholds picks one, so dynamic batch sizes need no recompile per size.
+            thresholds, programs = network.tt_linear_segments(spec, training, x.requires_grad)
+            segment = 0
+            for t in thresholds:
+                if rows >= t:
+                    segment += 1
+            program = programs[segment]
+        else:
+            program = network.tt_linear_program(spec, rows, training, x.requires_grad)
         fused = self.bias is not None and network.fuses_bias(program[-1][2], self.out_features)
-        y = network.run_program(program, [x2, *self._operands()], self.bias if fused else None)
+        y = network.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
         y = y.reshape(rows, spec.out_padded)
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]

@@ -36,6 +36,7 @@ __all__ = [
     "fuses_bias",
     "execute",
     "tt_linear_program",
+    "tt_linear_segments",
     "run_program",
 ]
 
@@ -61,6 +62,7 @@ class Network:
     tensors: tuple[TensorSpec, ...]
     sizes: tuple[tuple[str, int], ...]
     output: str
+    rows_index: str = ""  # the index that counts rows, if any: executed with the actual row count
 
     @property
     def size_of(self) -> dict[str, int]:
@@ -103,7 +105,7 @@ def tt_linear_network(spec: TTSpec, rows: int, input_requires_grad: bool = True)
     for k in range(n):
         idx = (bonds[k - 1] if k > 0 else "") + phys[k] + (bonds[k] if k < n - 1 else "")
         tensors.append(TensorSpec(f"core{k}", idx))
-    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(phys[d_in:]))
+    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(phys[d_in:]), batch)
 
 
 def ttm_embedding_network(spec: TTSpec, rows: int) -> Network:
@@ -122,7 +124,7 @@ def ttm_embedding_network(spec: TTSpec, rows: int) -> Network:
     for k in range(d):
         idx = batch + (bonds[k - 1] if k > 0 else "") + cols[k] + (bonds[k] if k < d - 1 else "")
         tensors.append(TensorSpec(f"slice{k}", idx, per_row=True))
-    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(cols))
+    return Network(tuple(tensors), tuple(sizes.items()), batch + "".join(cols), batch)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -156,6 +158,11 @@ class Plan:
     tree: object
     path: tuple[tuple[int, int], ...]
     steps: tuple[Step, ...]
+
+    @property
+    def rows(self) -> int:
+        """The row count the plan was searched for (1 when the network has no row index)."""
+        return self.network.size_of.get(self.network.rows_index, 1)
 
     @property
     def equations(self) -> tuple[str, ...]:
@@ -235,7 +242,7 @@ def plan_from_tree(net: Network, tree) -> Plan:
         eq = f"{a},{b}->{out}"
         a_bigger = math.prod(sizes[c] for c in a) >= math.prod(sizes[c] for c in b)
         steps.append(Step(eq, fl, fl * (1 + grads), math.prod(sizes[c] for c in out), per_row_of[t],
-                          _recipe(eq, net.sizes, a_bigger)))
+                          _recipe(eq, net.sizes, a_bigger, net.rows_index)))
         path.append((i, j))
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
@@ -380,13 +387,15 @@ def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_require
 
 
 @lru_cache(maxsize=65536)
-def _recipe(equation: str, sizes: tuple[tuple[str, int], ...], a_bigger: bool) -> tuple:
+def _recipe(equation: str, sizes: tuple[tuple[str, int], ...], a_bigger: bool, rows_index: str = "") -> tuple:
     """How to run one pairwise contraction as a (batched) matrix product on views.
 
     Indices split into batch (in both, kept), contracted (in both, summed), a's own and b's own (kept);
     indices found in one operand only and not kept are summed first.  Each operand is brought to
     (batch, rows, cols) by a reshape when its layout allows (a view), else by a permute first.  The shared
-    indices follow the bigger operand's order, so the big tensor is never copied."""
+    indices follow the bigger operand's order, so the big tensor is never copied.  Every size is a pair
+    (factor, times_rows): a group holding rows_index is factor * (the row count given at run time), so one
+    recipe serves any number of rows, symbolic ones included."""
     size = dict(sizes)
     lhs, out = equation.split("->")
     a, b = lhs.split(",")
@@ -396,10 +405,13 @@ def _recipe(equation: str, sizes: tuple[tuple[str, int], ...], a_bigger: bool) -
     a_keep = [c for c in a if c not in b and c in out]
     b_keep = [c for c in b if c not in a and c in out]
 
+    def dim(group) -> tuple[int, bool]:
+        return math.prod(size[c] for c in group if c != rows_index), rows_index in group
+
     def side(idx: str, first: list[str], second: list[str]):
         pre_sum = tuple(k for k, c in enumerate(idx) if c not in out and c not in contract)
         rest = "".join(c for c in idx if c in out or c in contract)
-        dims = tuple(math.prod(size[c] for c in g) for g in (batch, first, second))
+        dims = tuple(dim(g) for g in (batch, first, second))
         if rest == "".join(batch + first + second):
             return pre_sum, None, dims, False
         if rest == "".join(batch + second + first):
@@ -409,19 +421,21 @@ def _recipe(equation: str, sizes: tuple[tuple[str, int], ...], a_bigger: bool) -
 
     natural = "".join(batch + a_keep + b_keep)
     final = None if natural == out else tuple(natural.index(c) for c in out)
-    out_shape = tuple(size[c] for c in natural)
+    out_shape = tuple(dim(c) for c in natural)
     return side(a, a_keep, contract), side(b, contract, b_keep), bool(batch), out_shape, final
 
 
-def _operand(t: torch.Tensor, recipe: tuple, batched: bool) -> torch.Tensor:
+def _sizes(dims: tuple[tuple[int, bool], ...], rows) -> tuple:
+    return tuple(f * rows if scaled else f for f, scaled in dims)
+
+
+def _operand(t: torch.Tensor, recipe: tuple, batched: bool, rows) -> torch.Tensor:
     pre_sum, perm, dims, transposed = recipe
     if pre_sum:
         t = t.sum(dim=pre_sum)
     if perm is not None:
         t = t.permute(*perm)
-    if not batched:
-        dims = dims[1:]
-    t = t.reshape(dims)
+    t = t.reshape(_sizes(dims if batched else dims[1:], rows))
     return t.transpose(-1, -2) if transposed else t
 
 
@@ -429,31 +443,84 @@ def fuses_bias(recipe: tuple, out_features: int) -> bool:
     """Whether a final step can add a bias inside its GEMM (torch.addmm): a plain 2-D product whose
     result is already in output order, with a column count equal to the bias length."""
     ra, rb, batched, out_shape, final = recipe
-    return not batched and final is None and rb[2][2 if not rb[3] else 1] == out_features
+    cols = rb[2][1] if rb[3] else rb[2][2]
+    return not batched and final is None and cols == (out_features, False)
 
 
-def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple, bias: torch.Tensor | None = None) -> torch.Tensor:
+def contract_pair(a: torch.Tensor, b: torch.Tensor, recipe: tuple, rows, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """One pairwise contraction as reshapes/permutes and one matmul (batched when indices are shared
-    and kept), following a recipe from _recipe.  Only static sizes are used, so FX proxies work too.
-    A bias (only where fuses_bias holds) is added by the GEMM itself."""
+    and kept), following a recipe from _recipe, for `rows` rows (an int, or a SymInt under dynamic
+    shapes).  A bias (only where fuses_bias holds) is added by the GEMM itself."""
     ra, rb, batched, out_shape, final = recipe
-    x, y = _operand(a, ra, batched), _operand(b, rb, batched)
-    z = (torch.matmul(x, y) if bias is None else torch.addmm(bias, x, y)).reshape(out_shape)
+    x, y = _operand(a, ra, batched, rows), _operand(b, rb, batched, rows)
+    z = (torch.matmul(x, y) if bias is None else torch.addmm(bias, x, y)).reshape(_sizes(out_shape, rows))
     return z if final is None else z.permute(*final)
 
 
-@torch.compiler.assume_constant_result
-def tt_linear_program(spec: TTSpec, rows: int, training: bool = True,
-                      input_requires_grad: bool = True) -> tuple:
-    """The plan of plan_tt_linear as plain nested tuples, ((i, j, recipe), ...).
-
-    Under torch.compile this is evaluated once at trace time and its result baked into the graph as a
-    constant, so dynamo never traces the search (no graph break, nothing searched twice)."""
-    plan = plan_tt_linear(spec, rows, training, input_requires_grad)
+def _program(plan: Plan) -> tuple:
     return tuple((i, j, step.recipe) for (i, j), step in zip(plan.path, plan.steps))
 
 
-def run_program(program: tuple, operands: Sequence[torch.Tensor], bias: torch.Tensor | None = None) -> torch.Tensor:
+def tt_linear_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> tuple:
+    """The plan of plan_tt_linear as plain nested tuples, ((i, j, recipe), ...), for run_program."""
+    return _program(plan_tt_linear(spec, rows, training, input_requires_grad))
+
+
+MAX_SEGMENT_ROWS = 1 << 24
+MIN_SEGMENT_START = 8
+MIN_SEGMENT_WIDTH = 4
+
+
+@torch.compiler.assume_constant_result
+def tt_linear_segments(spec: TTSpec, training: bool = True,
+                       input_requires_grad: bool = True) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
+    """Every row count's best plan, as (thresholds, programs): rows < thresholds[0] use programs[0],
+    thresholds[0] <= rows < thresholds[1] programs[1], and so on.
+
+    A fixed tree's cost is affine in the row count, so each tree is optimal on one interval and the
+    intervals are found exactly by bisection between sampled row counts.  Under torch.compile this is a
+    constant, and comparing the (possibly symbolic) row count with the thresholds picks the program: a
+    dynamic batch dimension recompiles only where the best plan changes, never per size."""
+    return _segments(spec, training, input_requires_grad)
+
+
+@lru_cache(maxsize=1024)
+def _segments(spec: TTSpec, training: bool, input_requires_grad: bool) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
+    def tree(rows: int):
+        return plan_tt_linear(spec, rows, training, input_requires_grad).tree
+
+    samples = [1 << k for k in range(MAX_SEGMENT_ROWS.bit_length())]
+    starts = [1]
+
+    def refine(lo: int, hi: int) -> None:  # tree(lo) != tree(hi): find where the optimum changes
+        if hi - lo == 1:
+            starts.append(hi)
+            return
+        mid = (lo + hi) // 2
+        t = tree(mid)
+        if t != tree(lo):
+            refine(lo, mid)
+        if t != tree(hi):
+            refine(mid, hi)
+
+    for lo, hi in zip(samples, samples[1:]):
+        if tree(lo) != tree(hi):
+            refine(lo, hi)
+    starts = sorted(set(starts))
+    # Dynamo guards the comparisons; a segment one or two row counts wide would pin a dynamic size to a
+    # constant, so narrow segments (and all below MIN_SEGMENT_START) join the segment before them.
+    kept = [starts[0]]
+    for k, start in enumerate(starts[1:], start=1):
+        end = starts[k + 1] if k + 1 < len(starts) else MAX_SEGMENT_ROWS
+        if start >= MIN_SEGMENT_START and end - start >= MIN_SEGMENT_WIDTH:
+            kept.append(start)
+    programs = tuple(_program(plan_tt_linear(spec, r, training, input_requires_grad)) for r in kept)
+    return tuple(kept[1:]), programs
+
+
+def run_program(program: tuple, operands: Sequence[torch.Tensor], rows, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Execute a program from tt_linear_program on the operands (network tensor order).  A bias is fused
     into the last GEMM where fuses_bias allows; the caller checks that and passes None otherwise."""
     ops = list(operands)
@@ -466,7 +533,7 @@ def run_program(program: tuple, operands: Sequence[torch.Tensor], bias: torch.Te
         else:
             ops.pop(j)
             ops.pop(i)
-        ops.append(contract_pair(a, b, recipe, bias if k == last else None))
+        ops.append(contract_pair(a, b, recipe, rows, bias if k == last else None))
     return ops[0]
 
 
@@ -481,7 +548,7 @@ def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None,
         a, b = ops[i], ops[j]
         for m in sorted((i, j), reverse=True):
             ops.pop(m)
-        c = contract_pair(a, b, step.recipe, bias if k == len(plan.steps) - 1 else None)
+        c = contract_pair(a, b, step.recipe, plan.rows, bias if k == len(plan.steps) - 1 else None)
         if on_step is not None:
             on_step(k, step, c)
         ops.append(c)

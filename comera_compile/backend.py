@@ -1,0 +1,123 @@
+"""The "comera" torch.compile backend: comera's graph passes, then AOTAutograd + Inductor.
+
+``torch.compile(model, backend="comera")`` works on any model, tensorized or not.  Dynamo inlines the TT
+layers' forward, whose contraction order was planned for the traced shapes (a constant at trace time), so
+the graph Inductor sees already holds the planned matmuls; TT-layer nodes left as call_module (graphs built
+by hand or by torch.fx) are expanded by passes.contraction first.  On CUDA inputs Inductor's CUDA Graph
+trees replay the compiled forward and backward with no per-kernel launch cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+__all__ = ["comera_backend", "OPTIONS", "inductor_config", "compile_step", "register"]
+
+# Every option the backend takes, with its default and what it does.
+OPTIONS: dict[str, tuple[Any, str]] = {
+    "cudagraphs": (True, "on CUDA inputs, replay the compiled graphs with CUDA Graphs (Inductor's cudagraph "
+                         "trees); ignored on CPU"),
+    "contraction": (True, "expand TT-layer call_module nodes into their planned contractions"),
+    "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
+}
+
+
+def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        valid = "; ".join(f"{k} (default {v[0]!r}): {v[1]}" for k, v in OPTIONS.items())
+        raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
+    out = {k: v[0] for k, v in OPTIONS.items()}
+    out.update(options)
+    if not isinstance(out["cudagraphs"], bool) or not isinstance(out["contraction"], bool):
+        raise TypeError("options 'cudagraphs' and 'contraction' take True or False")
+    if not isinstance(out["inductor"], dict):
+        raise TypeError("option 'inductor' takes a dict of Inductor config patches")
+    return out
+
+
+def _devices(example_inputs: Sequence[Any]) -> set[str]:
+    return {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
+
+
+def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """The Inductor config patches the backend passes for inputs on these device types.
+
+    CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps); the
+    torch.compile mode's own settings come first, options' 'inductor' patches last."""
+    opts = _check_options(options)
+    patches: dict[str, Any] = {}
+    if mode is not None and mode != "default":
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and "cuda" in devices)
+    patches.update(opts["inductor"])
+    return patches
+
+
+def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
+                   options: dict[str, Any] | None = None) -> Callable:
+    """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
+    opts = _check_options(options)
+    if opts["contraction"]:
+        from comera_compile.passes.contraction import expand_contractions
+
+        expand_contractions(gm, example_inputs)
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))
+
+
+def register() -> None:
+    """Make backend="comera" available.  When the package is installed, dynamo finds the backend through
+    its torch_dynamo_backends entry point and registers it on first use (registering here as well would
+    collide); otherwise (running from a source tree) register it directly."""
+    from importlib.metadata import entry_points
+
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if "comera" in _COMPILER_FNS or entry_points(group="torch_dynamo_backends", name="comera"):
+        return
+    register_backend(name="comera")(comera_backend)
+
+
+def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+                 optimizer: torch.optim.Optimizer, *, backend: str = "comera", fullgraph: bool = False,
+                 options: dict[str, Any] | None = None,
+                 compile_optimizer: bool | None = None) -> Callable[..., torch.Tensor]:
+    """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
+
+    ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
+    and loss compile with the backend, and AOTAutograd compiles the backward with them.  The optimizer
+    step compiles too when compile_optimizer is True; the default (None) does so on CUDA, where it joins
+    the CUDA Graph replay, and not on CPU, where Inductor spends minutes on the per-parameter code of a
+    TT model's hundreds of small tensors for no faster a step than the optimizer's own foreach kernels."""
+    kwargs = {"options": options} if options else {}
+
+    def forward_loss(*args: Any) -> torch.Tensor:
+        *inputs, target = args
+        return loss_fn(model(*inputs), target)
+
+    fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)
+    state: dict[str, Any] = {}
+
+    def opt_step() -> None:
+        if "fn" not in state:
+            on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
+            use = on_cuda if compile_optimizer is None else compile_optimizer
+            state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs) if use else optimizer.step
+        state["fn"]()
+
+    def step(*args: Any) -> torch.Tensor:
+        loss = fwd(*args)
+        loss.backward()
+        opt_step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step

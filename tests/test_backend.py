@@ -1,0 +1,161 @@
+"""The "comera" torch.compile backend: correctness against eager, no graph breaks, registration,
+the CUDA path's decisions (tested on CPU), whole-step compilation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.backend import OPTIONS, inductor_config
+from comera_compile.examples import six_encoder
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _tensorized_encoder(layers: int = 1) -> nn.Module:
+    """The six-encoder model at the paper's shapes (preset, r = 30), reduced depth, no dropout."""
+    torch.manual_seed(0)
+    return cc.tensorize(six_encoder.build(layers=layers, dropout=0.0), preset="comera-six-encoder", inplace=True)
+
+
+def test_compiled_matches_eager_forward_and_gradients_fullgraph():
+    model = _tensorized_encoder()
+    ids, seg, mask = six_encoder.example_inputs(model, batch=2, seq=16)
+    mask[1, 10:] = 0
+    eager_out = model(ids, seg, mask)
+    eager_out.square().sum().backward()
+    eager_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    compiled = torch.compile(model, backend="comera", fullgraph=True)
+    out = compiled(ids, seg, mask)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == eager_grads.keys()
+    overall = max(g.abs().max() for g in eager_grads.values())
+    for n in eager_grads:  # relative to the parameter's own scale; some (key biases) have ~0 gradient
+        scale = torch.maximum(eager_grads[n].abs().max(), 1e-3 * overall)
+        assert (grads[n] - eager_grads[n]).abs().max() / scale < 1e-4, n
+
+
+def test_dense_model_compiles_too():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(torch.compile(model, backend="comera")(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def _counting_backend(counts):
+    def backend(gm, example_inputs):
+        counts.append(gm)
+        return gm.forward
+    return backend
+
+
+def test_new_batch_size_costs_at_most_one_recompile():
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(96, 128), nn.ReLU(), nn.Linear(128, 96)), rank=8)
+    counts = []
+    compiled = torch.compile(model, backend=_counting_backend(counts), fullgraph=True)
+    seen = 0
+    for rows in (4, 64, 32, 8, 3, 500, 64, 4):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+        assert len(counts) - seen <= 1
+        seen = len(counts)
+    assert len(counts) < 6  # sizes seen before, or in the same plan segment, reuse a compiled graph
+
+
+def test_mark_dynamic_recompiles_only_where_the_plan_changes():
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), preset="comera-six-encoder")
+    thresholds, programs = cc.network.tt_linear_segments(model.get_submodule("0").spec, False, False)
+    assert len(programs) == len(thresholds) + 1 >= 2
+    counts = []
+    compiled = torch.compile(model, backend=_counting_backend(counts), fullgraph=True)
+    sizes = [300, 301, 512, 1000, 2048, 4097]  # all in the last plan segment
+    assert min(sizes) >= thresholds[-1]
+    with torch.no_grad():
+        for rows in sizes:
+            x = torch.randn(rows, 768)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-5)
+    assert len(counts) == 1
+
+
+def test_unknown_option_lists_valid_ones():
+    model = nn.Linear(4, 4)
+    compiled = torch.compile(model, backend="comera", options={"cudagraph": False})
+    with pytest.raises(Exception, match="valid options: cudagraphs"):
+        compiled(torch.randn(2, 4))
+
+
+def test_cuda_path_decisions_on_cpu():
+    assert inductor_config({"cuda"}, None, None)["triton.cudagraphs"] is True
+    assert inductor_config({"cuda"}, None, {"cudagraphs": False})["triton.cudagraphs"] is False
+    assert inductor_config({"cpu"}, None, None)["triton.cudagraphs"] is False
+    patches = inductor_config({"cuda"}, "max-autotune-no-cudagraphs", {"inductor": {"freezing": True}})
+    assert patches["max_autotune"] is True and patches["freezing"] is True
+    assert set(OPTIONS) >= {"cudagraphs", "contraction", "inductor"}
+    with pytest.raises(TypeError):
+        inductor_config({"cpu"}, None, {"cudagraphs": "yes"})
+
+
+@pytest.mark.cuda
+def test_cuda_step_replays_as_cuda_graph():
+    model = _tensorized_encoder().cuda()
+    ids, seg, mask = (t.cuda() for t in six_encoder.example_inputs(model, batch=2, seq=16))
+    compiled = torch.compile(model, backend="comera")
+    for _ in range(3):
+        out = compiled(ids, seg, mask)
+    torch.testing.assert_close(out, model(ids, seg, mask), rtol=1e-4, atol=1e-4)
+    from torch._inductor.cudagraph_trees import get_container
+
+    assert get_container(torch.cuda.current_device()).tree_manager is not None
+
+
+def test_entry_point_registration_in_fresh_interpreter():
+    code = ("import sys, torch\n"
+            "assert 'comera_compile' not in sys.modules\n"
+            "f = torch.compile(lambda x: x * 2 + 1, backend='comera')\n"
+            "print(f(torch.ones(3)).tolist(), 'comera_compile' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["[3.0,", "3.0,", "3.0]", "True"]
+
+
+def test_compile_step_matches_eager_steps():
+    # An MLP, not the encoder: attention's key bias gets an exactly-zero gradient, and AdamW turns the
+    # rounding noise around zero into lr-sized steps of random sign in either run.
+    def make():
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.LayerNorm(96), nn.Linear(96, 64), nn.Tanh(),
+                              nn.Linear(64, 5))
+        m = cc.tensorize(dense, rank=6, min_features=32)
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    eager, opt = make()
+    for _ in range(5):
+        loss_fn(eager(x), target).backward()
+        opt.step()
+        opt.zero_grad()
+    model, opt = make()
+    step = cc.compile_step(model, loss_fn, opt)
+    losses = [step(x, target) for _ in range(5)]
+    assert losses[-1] < losses[0]
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
