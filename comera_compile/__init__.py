@@ -5,6 +5,7 @@ Public API only; see README.md for a quick start.
 
 from comera_compile.backend import comera_backend, compile_step, register as _register_backend
 from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.rank_adaptive import RankAdaptive, param_groups
 from comera_compile.passes.tensorize import PRESETS, LayerShape, TensorizeError, TensorizeSummary, tensorize
 from comera_compile.report import Explanation, explain
 from comera_compile.tt import TTSpec, make_spec
@@ -27,4 +28,6 @@ __all__ = [
     "Explanation",
     "comera_backend",
     "compile_step",
+    "RankAdaptive",
+    "param_groups",
 ]

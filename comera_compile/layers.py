@@ -76,6 +76,57 @@ class TTLayer(nn.Module):
         """Parameters of the factorization: cores and gates."""
         return self.spec.num_params()
 
+    @torch.no_grad()
+    def prune_ranks(self, keep: Sequence[torch.Tensor | None]
+                    ) -> list[tuple[nn.Parameter, nn.Parameter, int, torch.Tensor]]:
+        """Cut rank slices out of the cores for real: keep[k] lists the slices of bond k to keep (None keeps
+        all).  The cut cores and gates are new, smaller Parameters (a Parameter cannot change shape while
+        an old autograd graph still refers to it).  Returns (old, new, dim, index) for every replaced
+        parameter, so callers can point an optimizer at the new ones and cut its state the same way."""
+        if len(keep) != len(self.gates):
+            raise ValueError(f"prune_ranks needs one entry per bond ({len(self.gates)}), got {len(keep)}")
+        cuts: dict[tuple[str, int], list] = {}
+        ranks = list(self.spec.ranks)
+        for k, idx in enumerate(keep):
+            if idx is None or len(idx) == ranks[k + 1]:
+                continue
+            idx = torch.as_tensor(idx, dtype=torch.long, device=self.gates[k].device)
+            if idx.numel() == 0:
+                raise ValueError(f"bond {k} would keep no rank slice; keep at least one (a zero gate "
+                                 f"switches the layer off without removing its last slice)")
+            for plist, j, dim in ((self.cores, k, self.cores[k].dim() - 1), (self.cores, k + 1, 0),
+                                  (self.gates, k, 0)):
+                key = ("cores" if plist is self.cores else "gates", j)
+                old = plist[j]
+                new = nn.Parameter(old.data.index_select(dim, idx).contiguous(), requires_grad=old.requires_grad)
+                plist[j] = new
+                if key in cuts:  # a core cut on both of its bonds: compose the two cuts
+                    cuts[key][1] = new
+                    cuts[key][2].append((dim, idx))
+                else:
+                    cuts[key] = [old, new, [(dim, idx)]]
+            ranks[k + 1] = idx.numel()
+        self.spec = self.spec.with_ranks(ranks)
+        return [(old, new, dim, idx) for old, new, steps in cuts.values() for dim, idx in steps]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # A checkpoint of a layer whose ranks were cut: take its ranks, then load as usual.
+        ranks = list(self.spec.ranks)
+        for k, core in enumerate(self.cores):
+            saved = state_dict.get(f"{prefix}cores.{k}")
+            if saved is not None and saved.shape != core.shape and saved.dim() == core.dim():
+                core.data = core.data.new_empty(saved.shape)
+                ranks[k], ranks[k + 1] = saved.shape[0], saved.shape[-1]
+        for k, gate in enumerate(self.gates):
+            saved = state_dict.get(f"{prefix}gates.{k}")
+            if saved is not None and saved.shape != gate.shape:
+                gate.data = gate.data.new_empty(saved.shape)
+        if tuple(ranks) != self.spec.ranks:
+            self.spec = self.spec.with_ranks(ranks)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def dense_params(self) -> int:
         return self.spec.dense_params()
 

@@ -264,8 +264,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     # Every name under which each module object is registered (a module reused twice is replaced twice).
     names_of: dict[int, list[str]] = {}
     for n, m in model.named_modules(remove_duplicate=False):
-        if n:
-            names_of.setdefault(id(m), []).append(n)
+        names_of.setdefault(id(m), []).append(n)  # "" is the model itself, when it is a layer
     owners: dict[int, set[int]] = {}
     for m in model.modules():
         for p in m.parameters(recurse=False):
@@ -332,6 +331,9 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         memo = {id(old): old for old, _ in plan}
         work = copy.deepcopy(model, memo)
     for old, new in plan:
+        if old is model:  # the model is itself a dense layer: the TT layer is the result
+            new.comera_summary = summary
+            return new
         for n in names_of[id(old)]:
             _set_submodule(work, n, new)
 

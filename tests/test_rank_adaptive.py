@@ -1,0 +1,239 @@
+"""Rank-adaptive training: rank discovery, the late stage's size target, real cuts, checkpoints,
+torch.compile, and bad input."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.layers import TTLinear
+from comera_compile.rank_adaptive import RankAdaptive, param_groups
+
+NOISE = 0.05
+
+
+def _net(rank0, rank2, dtype=torch.float32) -> nn.Sequential:
+    return nn.Sequential(TTLinear(64, 64, rank=rank0, in_modes=(4, 4, 4), out_modes=(4, 4, 4), dtype=dtype),
+                         nn.Tanh(),
+                         TTLinear(64, 16, rank=rank2, in_modes=(4, 4, 4), out_modes=(2, 2, 4), dtype=dtype))
+
+
+class Heads(nn.Module):
+    """Two TT layers side by side (64 -> 64 each on its half of the input): each one's ranks are
+    identifiable from the data, unlike two layers in a row, whose product hides their split."""
+
+    def __init__(self, rank_a, rank_b):
+        super().__init__()
+        self.a = TTLinear(64, 64, rank=rank_a, in_modes=(4, 4, 4), out_modes=(4, 4, 4), bias=False)
+        self.b = TTLinear(64, 64, rank=rank_b, in_modes=(4, 4, 4), out_modes=(4, 4, 4), bias=False)
+
+    def forward(self, x):
+        return torch.cat([self.a(x[:, :64]), self.b(x[:, 64:])], dim=1)
+
+
+def _problem(seed: int):
+    """A teacher whose TT layers have ranks 3 and 5, and noisy training / held-out data from it."""
+    torch.manual_seed(seed)
+    teacher = Heads(3, 5)
+    assert teacher.a.ranks == (1, 3, 3, 3, 3, 3, 1) and teacher.b.ranks == (1, 4, 5, 5, 5, 4, 1)
+    x, x_test = torch.randn(4096, 128), torch.randn(1024, 128)
+    with torch.no_grad():
+        scale = teacher(x).std()
+        y = teacher(x) / scale + NOISE * torch.randn(4096, 128)
+        y_test = teacher(x_test) / scale + NOISE * torch.randn(1024, 128)
+    return teacher, x, y, x_test, y_test
+
+
+def _train(model, ra, opt, x, y, steps, seed=1, batch=256, skip=0):
+    """`steps` training steps on random minibatches; skip: batches of this data order already used."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(skip):
+        torch.randint(0, x.shape[0], (batch,), generator=g)
+    for _ in range(steps):
+        idx = torch.randint(0, x.shape[0], (batch,), generator=g)
+        ra.loss(((model(x[idx]) - y[idx]) ** 2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rank_discovery_finds_the_teachers_ranks(seed):
+    teacher, x, y, x_test, y_test = _problem(seed)
+    torch.manual_seed(100 + seed)
+    student = Heads(16, 16)
+    opt = torch.optim.AdamW(param_groups(student, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+    ra = RankAdaptive(student, gamma=0.05, optimizer=opt, cut_every=100)
+    _train(student, ra, opt, x, y, 2500)
+    for name in ("a", "b"):
+        found, true = ra.ranks()[name], teacher.get_submodule(name).ranks
+        assert all(r <= t + 2 for r, t in zip(found, true)), (name, found, true)
+        assert student.get_submodule(name).ranks == found  # the cuts were real
+    with torch.no_grad():
+        test_mse = ((student(x_test) - y_test) ** 2).mean().item()
+    assert test_mse <= 1.25 * NOISE**2  # the held-out targets carry noise of variance NOISE**2
+
+
+def test_late_stage_reaches_its_size_target():
+    _, x, y, _, _ = _problem(0)
+    torch.manual_seed(1)
+    student = Heads(16, 16)
+    opt = torch.optim.AdamW(param_groups(student, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+    ra = RankAdaptive(student, gamma=0.01, optimizer=opt, cut_every=100, target_ratio=0.3, late_stage_at=300)
+    _train(student, ra, opt, x, y, 1200)
+    assert ra.stage == "late" and ra.size_target == 0.3 * ra.history[298].size
+    assert abs(ra.size() - ra.size_target) <= 0.1 * ra.size_target
+
+
+def _switch_off(model, fraction_per_bond=0.25):
+    """Set a deterministic part of every gate to zero (below any tau)."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, TTLinear):
+                for g in m.gates:
+                    g[: int(g.numel() * fraction_per_bond)] = 0.0
+
+
+def test_cut_keeps_the_function_and_shrinks_params_and_flops():
+    torch.manual_seed(0)
+    model = _net(16, 16, dtype=torch.float64)
+    _switch_off(model)
+    x = torch.randn(32, 64, dtype=torch.float64)
+    before_out = model(x)
+    before = cc.explain(model)
+    ra = RankAdaptive(model, cut_every=1)
+    ra.step()
+    after = cc.explain(model)
+    torch.testing.assert_close(model(x), before_out, rtol=1e-12, atol=1e-12)
+    assert after.total_params < before.total_params
+    assert sum(r.flops_per_row for r in after.rows) < sum(r.flops_per_row for r in before.rows)
+    assert all(r.ranks_allocated == r.ranks_active for r in after.rows)
+    assert ra.cuts == 1 and ra.compression() > 1
+
+
+def _run(steps_a, steps_b=0, *, cut_every=3):
+    """steps_a steps, then optionally a checkpoint round trip into a fresh model and steps_b more."""
+    _, x, y, _, _ = _problem(3)
+    x = x[:, :64]
+    y = y[:, :16]
+    torch.manual_seed(5)
+    model = _net(8, 8)
+    _switch_off(model)
+    opt = torch.optim.AdamW(param_groups(model, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+    ra = RankAdaptive(model, gamma=0.05, optimizer=opt, cut_every=cut_every)
+    _train(model, ra, opt, x, y, steps_a, seed=11)
+    if steps_b:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "ra": ra.state_dict()}, buf)
+        buf.seek(0)
+        ckpt = torch.load(buf)
+        torch.manual_seed(99)
+        model = _net(8, 8)  # freshly tensorized: full ranks, other values
+        model.load_state_dict(ckpt["model"])
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+        opt.load_state_dict(ckpt["opt"])
+        ra = RankAdaptive(model, gamma=0.05, optimizer=opt, cut_every=cut_every)
+        ra.load_state_dict(ckpt["ra"])
+        _train(model, ra, opt, x, y, steps_b, seed=11, skip=steps_a)  # the data order continues
+    return model, ra
+
+
+def test_resume_from_checkpoint_continues_exactly():
+    straight, ra_straight = _run(10)
+    resumed, ra_resumed = _run(5, 5)
+    assert ra_straight.cuts >= 1 and ra_resumed.cuts == ra_straight.cuts
+    assert ra_resumed.ranks() == ra_straight.ranks()
+    sa, sb = straight.state_dict(), resumed.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].shape == sb[k].shape, k
+        assert (sa[k] - sb[k]).abs().max() <= 1e-6 * max(1.0, sa[k].abs().max().item()), k
+
+
+def test_compiled_with_penalty_inside_recompiles_once_per_cut():
+    torch._dynamo.reset()
+    _, x, y, _, _ = _problem(3)
+    x, y = x[:, :64], y[:, :16]
+    torch.manual_seed(5)
+    model = _net(8, 8)
+    eager = copy.deepcopy(model)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def run(m, compiled: bool):
+        _switch_off(m, 0.0)
+        opt = torch.optim.AdamW(param_groups(m, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+        ra = RankAdaptive(m, gamma=0.05, optimizer=opt, cut_every=4)
+
+        def objective(xb, yb):
+            return ra.loss(((m(xb) - yb) ** 2).mean())
+
+        fn = torch.compile(objective, backend=counting, fullgraph=True) if compiled else objective
+        for step in range(12):
+            if step in (1, 5):  # switch slices off by hand: the next cut removes them
+                with torch.no_grad():
+                    for layer in (m[0], m[2]):
+                        layer.gates[1][0] = 0.0
+            fn(x[:64], y[:64]).backward()
+            opt.step()
+            opt.zero_grad()
+            ra.step()
+        return ra
+
+    ra_c = run(model, True)
+    ra_e = run(eager, False)
+    assert ra_c.cuts == 2
+    assert len(graphs) == 1 + ra_c.cuts
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def test_works_under_the_comera_backend():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _net(6, 6)
+    opt = torch.optim.AdamW(param_groups(model))
+    ra = RankAdaptive(model, optimizer=opt, cut_every=2)
+    fn = torch.compile(lambda xb: ra.loss(model(xb).square().mean()), backend="comera", fullgraph=True)
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        model[0].gates[2][:2] = 0
+    for _ in range(3):
+        fn(x).backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step()
+    assert model[0].ranks[3] == 4
+    torch._dynamo.reset()
+
+
+def test_param_groups_cover_every_parameter_once():
+    model = nn.Sequential(cc.tensorize(nn.Linear(64, 64), rank=4, min_features=1), nn.LayerNorm(64))
+    groups = param_groups(model, lr=5e-5, core_lr=1e-4, gate_lr=1e-3)
+    assert [g["lr"] for g in groups] == [1e-4, 1e-3, 5e-5]
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tau=0), "tau"), (dict(tau=-1e-3), "tau"), (dict(target_ratio=0.0), "target_ratio"),
+    (dict(target_ratio=1.5), "target_ratio"), (dict(late_stage_at=10), "target_ratio"),
+    (dict(cut_every=0), "cut_every"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        RankAdaptive(_net(4, 4), **kwargs)
+
+
+def test_model_without_tt_layers_is_an_error():
+    with pytest.raises(ValueError, match="no TT layers; tensorize it first"):
+        RankAdaptive(nn.Linear(4, 4))
