@@ -29,10 +29,13 @@ def _check_init(init: str) -> None:
         raise ValueError(f"init must be one of {_INITS}, got {init!r}")
 
 
-def _check_float_dtype(dtype: torch.dtype | None) -> None:
+def _checked_dtype(init: str, dtype: torch.dtype | None) -> torch.dtype:
+    """Check a TT layer's init and dtype arguments; the dtype to use (default: torch's default)."""
+    _check_init(init)
     if dtype is not None and not dtype.is_floating_point:
         raise TypeError(f"TT layers hold floating-point parameters; got dtype {dtype}. "
                         f"Use a float dtype such as torch.float32")
+    return dtype or torch.get_default_dtype()
 
 
 def _has_data(t: torch.Tensor) -> bool:
@@ -143,9 +146,7 @@ class TTLinear(TTLayer):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
         super().__init__()
-        _check_init(init)
-        _check_float_dtype(dtype)
-        dtype = dtype or torch.get_default_dtype()
+        dtype = _checked_dtype(init, dtype)
         if spec is None:
             spec = make_spec("tt", in_features, out_features, rank, in_modes, out_modes, d, where="TTLinear")
         self.in_features, self.out_features = spec.in_features, spec.out_features
@@ -252,9 +253,7 @@ class TTEmbedding(TTLayer):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
         super().__init__()
-        _check_init(init)
-        _check_float_dtype(dtype)
-        dtype = dtype or torch.get_default_dtype()
+        dtype = _checked_dtype(init, dtype)
         if spec is None:
             spec = make_spec("ttm", num_embeddings, embedding_dim, rank, row_modes, col_modes, d,
                              where="TTEmbedding")

@@ -32,14 +32,7 @@ MAX_ENTRIES = 2**18
 PRIMES = [2, 3, 5, 7, 11, 13, 31, 61, 127, 257, 509, 1021, 2039, 4093]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The tensors here are small: one intra-op thread is as fast, and it avoids OpenMP threads stalling
-    each other (runs of 10x the usual time) when the 2-core machine is busy.  Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:

@@ -17,14 +17,7 @@ from hypothesis import strategies as st
 from comera_compile import tt
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """The tensors here are small: one intra-op thread is as fast, and it avoids OpenMP threads stalling
-    each other (runs of 10x the usual time) when the 2-core machine is busy.  Restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
