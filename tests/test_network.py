@@ -22,10 +22,11 @@ SIX_ENCODER = {
 ROWS = [1, 8, 32, 128, 1024, 4096, 16384]
 
 
-def _path_cost(net: nw.Network, path, training: bool = True) -> int:
+def _path_cost(net: nw.Network, path, training: bool = True, traffic_weight: float = 0) -> int:
     """Training cost of an opt_einsum-style path, computed directly from the definition: every pairwise
-    contraction costs 2 * prod(sizes of all its indices) (1x without a summed index), and once more for
-    each operand that (transitively) holds a tensor needing a gradient."""
+    contraction costs 2 * prod(sizes of all its indices) (1x without a summed index) plus traffic_weight
+    per element of its two operands and result, and all that once more for each operand that
+    (transitively) holds a tensor needing a gradient."""
     sizes = net.size_of
     ops = [(t.indices, t.requires_grad) for t in net.tensors]
     total = 0
@@ -37,6 +38,7 @@ def _path_cost(net: nw.Network, path, training: bool = True) -> int:
         out = "".join(c for c in dict.fromkeys(a + b) if c in rest) if ops else net.output
         inv = set(a) | set(b)
         f = math.prod(sizes[c] for c in inv) * (2 if inv - set(out) else 1)
+        f += traffic_weight * sum(math.prod(sizes[c] for c in t) for t in (a, b, out))
         total += f * (1 + (ga + gb if training else 0))
         ops.append((out, ga or gb))
     return total
@@ -69,11 +71,12 @@ def test_search_is_exact_against_brute_force(n_tensors, trials):
     for _ in range(trials):
         net = _random_tt_network(rng, n_tensors)
         for training in (True, False):
-            brute = min(_path_cost(net, p, training) for p in paths)
+            w = nw.TRAFFIC_WEIGHT
+            brute = min(_path_cost(net, p, training, w) for p in paths)
             plan = nw.search(net, training)
-            assert _path_cost(net, plan.path, training) == brute
+            assert _path_cost(net, plan.path, training, w) == brute
             cost = plan.training_flops if training else plan.flops
-            assert cost == brute
+            assert cost == _path_cost(net, plan.path, training)
 
 
 def _opt_einsum_tree(net: nw.Network):
