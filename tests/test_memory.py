@@ -1,0 +1,625 @@
+"""Tests of the memory measurement (comera_compile.memory) and the Tempo memory passes (passes/memory.py).
+
+Every reference is computed another way than the code under test: the original torch ops (F.gelu,
+F.layer_norm, softmax / matmul) under ordinary autograd, in float64 where it matters, with the same dropout
+mask re-drawn by dropout_mask and applied by plain multiplication; torch.autograd.gradcheck; hand-counted
+bytes; and bit packing checked against a Python loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from comera_compile.examples import six_encoder
+from comera_compile.memory import PeakMemory, SavedTensors, peak_bytes, saved_bytes
+from comera_compile.passes import memory as M
+
+TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
+X0 = {"none": -0.7517915246935645, "tanh": -0.7522}   # GELU's minimum (tanh form: roughly)
+SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small tensors: one intra-op thread is as fast and avoids OpenMP stalls on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    torch.testing.assert_close(got, ref, rtol=TOL[dtype], atol=TOL[dtype], equal_nan=True)
+
+
+def grads_of(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> list[torch.Tensor]:
+    """Output and input gradients of fn(*inputs) for the upstream gradient grad_out (a fresh graph)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad_out)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def same_mask_dropout(p: float, seed: int):
+    """Reference dropout: the mask M.dropout_mask draws from a generator seeded `seed`, applied as eager
+    dropout does (x * (mask / (1 - p))), differentiated by ordinary autograd."""
+
+    def drop(x: torch.Tensor) -> torch.Tensor:
+        mask = M.dropout_mask(x.shape, p, generator=torch.Generator().manual_seed(seed))
+        return x * (mask.to(x.dtype) * (1.0 / (1.0 - p)))
+
+    return drop
+
+
+# ---------------------------------------------------------------------------------------------------------
+# comera_compile.memory
+
+
+def test_saved_bytes_counts_each_storage_once():
+    x = torch.randn(1000, requires_grad=True)           # 4000 bytes
+    # x * x saves x twice; exp saves its output: one storage each.
+    assert saved_bytes(lambda: (x * x).exp()) == 4000 + 4000
+    # A view of x saved next to x itself is the same storage.
+    assert saved_bytes(lambda: x[10:] * x[:-10]) == 4000
+    # Parameters (and modules' parameters) can be left out.
+    lin = nn.Linear(100, 50)
+    inp = torch.randn(8, 100, requires_grad=True)   # then the weight is kept too, for the input's gradient
+    assert saved_bytes(lin, inp, exclude=lin) == 8 * 100 * 4
+    assert saved_bytes(lin, inp) == 8 * 100 * 4 + 50 * 100 * 4
+
+
+def test_saved_tensors_live_only_while_the_graph_is():
+    x = torch.randn(256, requires_grad=True)
+    with SavedTensors() as saved:
+        y = x.exp()
+        assert saved.bytes == 1024 and saved.storages == 1
+        assert saved.breakdown() == [("(256,) torch.float32", 1024)]
+        y.sum().backward()     # frees the graph and what it saved
+        assert saved.bytes == 0
+    with pytest.raises(TypeError, match="tensors and nn.Modules"):
+        SavedTensors(exclude=[3])
+
+
+def test_saved_tensors_keeps_autograd_s_in_place_check():
+    x = torch.randn(5, requires_grad=True)
+    with SavedTensors():
+        y = x.exp()
+        y.add_(1.0)             # exp's backward needs its output as it was
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+
+
+def test_a_storage_saved_by_two_graphs_counts_while_either_lives():
+    x = torch.randn(100, requires_grad=True)
+    with SavedTensors() as saved:
+        a = x.sin()           # saves x
+        b = x.cos()           # saves x again: one storage
+        assert saved.bytes == 400
+        b.sum().backward()    # the second graph is gone, the first still keeps x
+        assert saved.bytes == 400
+        a.sum().backward()
+        assert saved.bytes == 0
+
+
+def test_peak_memory_follows_allocation_and_release():
+    before = torch.randn(10_000)    # existed before: not counted, nor are views of it
+
+    def work():
+        a = torch.empty(1000)       # 4000
+        b = torch.empty(2000)       # 8000 -> 12000 live
+        v = b[:500]                 # a view: nothing new
+        before.add_(1.0)            # in place on an old tensor: nothing new
+        w = before[:100] * 1.0      # new: 400 -> 12400
+        del a, v
+        c = torch.empty(500)        # 2000 -> 10400
+        return b, c, w
+
+    with PeakMemory() as mode:
+        out = work()
+        assert mode.current == 8000 + 2000 + 400
+    assert mode.peak == 12_400 and mode.allocated == 4000 + 8000 + 400 + 2000
+    del out
+    assert mode.current == 0
+    assert peak_bytes(lambda: torch.ones(3, 4).sum()) == 48 + 4   # both alive at once
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bits and masks
+
+
+@given(st.lists(st.booleans(), min_size=0, max_size=70))
+@settings(**SETTINGS)
+def test_pack_bits_matches_a_python_loop(flags):
+    mask = torch.tensor(flags, dtype=torch.bool)
+    packed = M.pack_bits(mask)
+    expected = [sum(1 << k for k in range(8) if 8 * j + k < len(flags) and flags[8 * j + k])
+                for j in range((len(flags) + 7) // 8)]
+    assert packed.tolist() == expected
+    assert torch.equal(M.unpack_bits(packed, mask.shape), mask)
+
+
+def test_unpack_bits_checks_its_input():
+    with pytest.raises(ValueError, match="pack_bits made from 9 elements"):
+        M.unpack_bits(torch.zeros(1, dtype=torch.uint8), (9,))
+
+
+def test_dropout_masks_keep_the_right_fraction_and_are_reproducible():
+    n = 600_000   # more than one slice of the elementwise loops
+    for p in (0.1, 0.5, 0.9):
+        mask = M.dropout_mask((n,), p, generator=torch.Generator().manual_seed(3))
+        rate = mask.double().mean().item()
+        assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+    a = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
+    b = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
+    c = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(0)
+    d1 = M.dropout_mask((1000,), 0.5)
+    d2 = M.dropout_mask((1000,), 0.5)   # the default generator moved on
+    assert not torch.equal(d1, d2)
+    # Neighbouring elements are not correlated (two per random word, consecutive words).
+    m = M.dropout_mask((n,), 0.5, generator=torch.Generator().manual_seed(1)).double() - 0.5
+    assert abs((m[1:] * m[:-1]).mean().item()) < 5 * 0.25 / math.sqrt(n)
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        M.dropout_mask((3,), 1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_matches_the_same_mask_applied_by_hand(dtype):
+    x = torch.randn(37, 301, dtype=dtype)
+    g = torch.randn_like(x)
+    got = grads_of(lambda t: M.dropout(t, 0.3, generator=torch.Generator().manual_seed(4)), [x], g)
+    ref = grads_of(same_mask_dropout(0.3, 4), [x], g)
+    for a, b in zip(got, ref):
+        close(a, b, dtype)
+    # eval mode, p = 0 and p = 1 are the ordinary op
+    assert torch.equal(M.dropout(x, 0.3, training=False), x)
+    assert torch.equal(M.dropout(x, 1.0), torch.zeros_like(x))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GELU
+
+values = st.floats(-12.0, 12.0, allow_nan=False, width=32)
+near_minimum = st.floats(-1.0, -0.5, allow_nan=False, width=32)
+tail = st.floats(-40.0, -2.5, allow_nan=False, width=32)
+
+
+@given(st.lists(st.one_of(values, near_minimum, tail), min_size=1, max_size=300),
+       st.sampled_from(["none", "tanh"]), st.sampled_from([torch.float32, torch.float64]), st.integers(0, 99))
+@settings(**SETTINGS)
+def test_gelu_outputs_and_gradients_match_torch(xs, form, dtype, seed):
+    x = torch.tensor(xs, dtype=dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    got = grads_of(lambda t: M.gelu(t, form), [x], g)
+    ref = grads_of(lambda t: F.gelu(t, approximate=form), [x], g)
+    assert torch.equal(got[0], ref[0])   # the forward is F.gelu itself
+    close(got[1], ref[1], dtype)
+
+
+@pytest.mark.parametrize("form", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gelu_gradient_on_a_dense_grid_across_both_branches(form, dtype):
+    # A fine grid (steps of 4.5e-6) around the minimum, where inverting GELU is hardest, and a wide range
+    # beyond, in a tensor of several slices; upstream gradients up to 4 in size.
+    x = torch.cat([torch.linspace(-1.2, -0.3, 200_001), torch.linspace(-30, 60, 200_001)]).to(dtype)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=dtype).clamp_(-4, 4)
+    got = grads_of(lambda t: M.gelu(t, form), [x], g)[1]
+    ref = grads_of(lambda t: F.gelu(t, approximate=form), [x], g)[1]
+    close(got, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gelu_dropout_matches_gelu_then_the_same_mask(dtype):
+    torch.manual_seed(1)
+    x = torch.randn(3, 70_000, dtype=dtype) * 2
+    g = torch.randn_like(x)
+    for form in ("none", "tanh"):
+        got = grads_of(lambda t: M.gelu_dropout(t, 0.1, True, form, generator=torch.Generator().manual_seed(9)),
+                       [x], g)
+        ref = grads_of(lambda t: same_mask_dropout(0.1, 9)(F.gelu(t, approximate=form)), [x], g)
+        for a, b in zip(got, ref):
+            close(a, b, dtype)
+
+
+def test_gelu_keeps_less_and_falls_back_to_keeping_the_input():
+    x = torch.randn(4096, requires_grad=True)
+    with SavedTensors() as eager:
+        ye = F.gelu(x)
+        eager_bytes = eager.bytes
+    with SavedTensors() as tempo:
+        yt = M.gelu(x)
+        breakdown = tempo.breakdown()
+    assert eager_bytes == 4096 * 4
+    # output (the next layer keeps it anyway), branch bits, and a few exact inputs (index + value)
+    assert breakdown[0] == ("(4096,) torch.float32", 4096 * 4)
+    assert sum(n for _, n in breakdown[1:]) < 0.25 * 4096 * 4
+    del ye, yt
+    # All inputs where inverting is ill-conditioned: the input itself is kept; gradients still exact.
+    x = (torch.full((1000,), X0["none"]) + torch.linspace(-0.05, 0.05, 1000)).requires_grad_()
+    with SavedTensors() as fallback:
+        y = M.gelu(x)
+        assert [n for _, n in fallback.breakdown() if n] == [4000, 4000, 125]   # output, input, branch bits
+    del y
+    g = torch.randn(1000)
+    close(grads_of(M.gelu, [x], g)[1], grads_of(F.gelu, [x], g)[1], torch.float32)
+
+
+def test_gelu_non_finite_inputs_give_torch_s_gradients():
+    # Among many ordinary values (so the exact inputs are kept sparsely, not as a whole tensor).
+    x = torch.cat([torch.tensor([float("nan"), float("inf"), -float("inf"), -5.0, -0.75]),
+                   torch.linspace(0.0, 3.0, 1000)])
+    g = torch.ones_like(x)
+    got = grads_of(M.gelu, [x], g)
+    ref = grads_of(F.gelu, [x], g)
+    assert ref[1][:3].isnan().all()
+    close(got[1], ref[1], torch.float32)
+
+
+def test_gelu_other_dtypes_and_no_grad_run_the_original_op():
+    x = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
+    assert M.gelu(x).grad_fn.name() == "GeluBackward0"
+    y = torch.randn(8, requires_grad=True)
+    with torch.no_grad():
+        out = M.gelu(y)
+    assert out.grad_fn is None and torch.equal(out, F.gelu(y.detach()))
+    assert M.gelu(y).grad_fn.name().startswith("_Gelu")
+    with pytest.raises(ValueError, match="'none' or 'tanh'"):
+        M.gelu(y, "sigmoid")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LayerNorm
+
+
+@given(st.integers(1, 6), st.sampled_from([(8,), (33,), (4, 5)]), st.sampled_from(["affine", "weight", "none"]),
+       st.sampled_from([torch.float32, torch.float64]), st.integers(0, 99))
+@settings(**SETTINGS)
+def test_layer_norm_matches_torch(rows, shape, affine, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, *shape, generator=gen, dtype=dtype) * 3 + 1
+    g = torch.randn(x.shape, generator=gen, dtype=dtype)
+    w = torch.randn(shape, generator=gen, dtype=dtype)
+    b = torch.randn(shape, generator=gen, dtype=dtype)
+    w.view(-1)[0] = 0.0          # a zero weight: the normalised input cannot be rebuilt there
+    w.view(-1)[-1] = 1e-3        # tiny next to its bias: rebuilding it would lose digits
+    inputs, fn_args = [x], {}
+    if affine == "affine":
+        inputs += [w, b]
+    elif affine == "weight":
+        inputs += [w]
+
+    def call(f):
+        def run(x, *wb):
+            wb = list(wb) + [None] * (2 - len(wb))
+            return f(x, shape, wb[0], wb[1], 1e-5)
+        return run
+
+    got = grads_of(call(M.layer_norm), inputs, g)
+    ref = grads_of(call(F.layer_norm), inputs, g)
+    for a, r in zip(got, ref):
+        close(a, r, dtype)
+
+
+def test_layer_norm_keeps_its_output_not_its_input():
+    ln = nn.LayerNorm(64)
+    x = torch.randn(32, 64, requires_grad=True)
+    with SavedTensors(exclude=ln) as saved:
+        y = M.layer_norm(x, (64,), ln.weight, ln.bias)
+        kept = saved.breakdown()
+    assert kept[0] == ("(32, 64) torch.float32", 32 * 64 * 4)     # the output
+    assert sum(n for _, n in kept[1:]) <= 32 * 4 + 16              # 1/std per row (and empty extras)
+    assert y.grad_fn.name().startswith("_LayerNorm")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("v_shape", [(2, 3, 17, 8), (17, 8), (1, 3, 17, 8)])
+def test_softmax_dropout_matmul_matches_the_unfused_ops(dtype, v_shape):
+    torch.manual_seed(0)
+    s = torch.randn(2, 3, 17, 17, dtype=dtype)
+    v = torch.randn(v_shape, dtype=dtype)
+    g = torch.randn(2, 3, 17, 8, dtype=dtype)
+    got = grads_of(lambda a, b: M.softmax_dropout_matmul(a, b, 0.2, generator=torch.Generator().manual_seed(2)),
+                   [s, v], g)
+    ref = grads_of(lambda a, b: same_mask_dropout(0.2, 2)(torch.softmax(a, -1)) @ b, [s, v], g)
+    for a, b in zip(got, ref):
+        close(a, b, dtype)
+    # eval mode is exactly softmax then matmul
+    assert torch.equal(M.softmax_dropout_matmul(s, v, 0.2, training=False), torch.softmax(s, -1) @ v)
+
+
+def test_attention_keeps_the_softmax_output_once_and_the_mask_as_bits():
+    s = torch.randn(2, 4, 32, 32, requires_grad=True)
+    v = torch.randn(2, 4, 32, 16, requires_grad=True)
+    probs_bytes = s.numel() * 4
+    with SavedTensors() as eager:
+        out_e = F.dropout(torch.softmax(s, -1), 0.1) @ v
+        eager_bytes = eager.bytes
+    with SavedTensors() as tempo:
+        out_t = M.softmax_dropout_matmul(s, v, 0.1)
+        tempo_bytes = tempo.bytes
+    assert tempo_bytes == probs_bytes + probs_bytes // 32 + v.numel() * 4
+    assert eager_bytes >= 3 * probs_bytes   # softmax output, float mask and dropped-out copy
+    del out_e, out_t
+
+
+def test_gradcheck_float64():
+    def seeded(fn, seed=3):
+        return lambda *a: fn(*a, generator=torch.Generator().manual_seed(seed))
+
+    x = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        x[0, :3] = torch.tensor([-0.76, -3.5, 20.0], dtype=torch.float64)  # window, tail, flat right side
+    assert torch.autograd.gradcheck(M.gelu, (x,))
+    assert torch.autograd.gradcheck(lambda t: M.gelu(t, "tanh"), (x,))
+    assert torch.autograd.gradcheck(seeded(lambda t, generator: M.gelu_dropout(t, 0.3, generator=generator)), (x,))
+    assert torch.autograd.gradcheck(seeded(lambda t, generator: M.dropout(t, 0.3, generator=generator)), (x,))
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: M.layer_norm(a[0], (7,), a[1], a[2]), (x, w, b))
+    assert torch.autograd.gradcheck(lambda t: M.layer_norm(t, (7,)), (x,))
+    s = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        seeded(lambda a, c, generator: M.softmax_dropout_matmul(a, c, 0.25, generator=generator)), (s, v))
+
+
+def test_gradient_buffer_is_reused_only_when_nobody_else_holds_it():
+    torch.manual_seed(0)
+    x = torch.randn(5, 300, requires_grad=True)
+    w = torch.randn(300, 7)
+    ref = grads_of(lambda t: F.gelu(t) @ w, [x], torch.ones(5, 7))[1]
+    # Upstream gradient from a matmul (owned by autograd alone): reused in place; still correct.
+    x.grad = None
+    (M.gelu(x) @ w).sum().backward()
+    close(x.grad, ref, torch.float32)
+    # A hook keeps the upstream gradient: it must come out unchanged.
+    kept = []
+    x.grad = None
+    y = M.gelu(x)
+    y.register_hook(lambda gr: kept.append(gr))
+    (y @ w).sum().backward()
+    close(x.grad, ref, torch.float32)
+    close(kept[0], torch.ones(5, 7) @ w.t(), torch.float32)
+    # A gradient the caller passes in is not overwritten.
+    g = torch.randn(5, 300)
+    g_copy = g.clone()
+    M.gelu(x).backward(g)
+    assert torch.equal(g, g_copy)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The FX pass
+
+SMALL = dict(layers=1, d_model=32, heads=4, ffn=64, vocab_size=50, max_positions=16)
+
+
+def _layer(seed: int = 0, dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(seed)
+    return six_encoder.build(**SMALL).layers[0].to(dtype)
+
+
+class MaskReplayDropout(nn.Module):
+    """Dropout applying the masks the Tempo functions draw from the default generator, in call order."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        if not self.training:
+            return x
+        mask = M.dropout_mask(x.shape, self.p)
+        return x * (mask.to(x.dtype) * (1.0 / (1.0 - self.p)))
+
+
+def test_tempo_graph_on_an_encoder_layer_matches_autograd_with_the_same_masks():
+    layer = _layer()
+    ref = copy.deepcopy(layer)
+    ref.dropout = ref.attention.dropout = MaskReplayDropout(0.1)
+    gm = M.tempo_graph(torch.fx.symbolic_trace(layer))
+    assert gm.tempo_summary.counts() == {"attention": 1, "gelu+dropout": 1, "dropout": 2, "layer_norm": 2}
+    targets = {n.target for n in gm.graph.nodes}
+    assert torch.softmax not in targets and F.gelu not in targets
+    x = torch.randn(3, 10, 32, dtype=torch.float64)
+    mask = torch.zeros(3, 1, 1, 10, dtype=torch.float64)
+    g = torch.randn(3, 10, 32, dtype=torch.float64)
+    for train in (True, False):
+        gm.train(train)
+        ref.train(train)
+        torch.manual_seed(7)
+        got = grads_of(lambda t: gm(t, mask), [x], g)
+        gm_grads = [p.grad.clone() for p in gm.parameters()]
+        gm.zero_grad()
+        torch.manual_seed(7)
+        want = grads_of(lambda t: ref(t, mask), [x], g)
+        ref_grads = [p.grad.clone() for p in ref.parameters()]
+        ref.zero_grad()
+        for a, b in zip(got + gm_grads, want + ref_grads):
+            close(a, b, torch.float64)
+
+
+def test_tempo_graph_saves_less_and_peaks_lower_than_eager():
+    # Tensors of several slices (below one slice the scratch buffers weigh more than what is saved).
+    torch.manual_seed(0)
+    layer = six_encoder.build(layers=1, d_model=64, heads=4, ffn=256).layers[0]
+    gm = M.tempo_graph(torch.fx.symbolic_trace(copy.deepcopy(layer)))
+    x = torch.randn(8, 128, 64, requires_grad=True)
+    eager = saved_bytes(layer, x, None, exclude=layer)
+    tempo = saved_bytes(gm, x, None, exclude=gm)
+    assert tempo < 0.7 * eager
+
+    def step(mod):
+        return lambda: mod(x, None).sum().backward()
+
+    step(gm)()   # the GELU tables are built on first use, once per process: measure a later step
+    assert peak_bytes(step(gm)) < 0.85 * peak_bytes(step(layer))
+
+
+def test_tempo_graph_recognises_functional_forms():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16, dtype=torch.float64))
+
+        def forward(self, q, v):
+            h = F.layer_norm(q, (16,), self.w, None, 1e-6)
+            h = F.dropout(F.gelu(h, approximate="tanh"), p=0.2, training=True)
+            a = torch.matmul(F.dropout(F.softmax(h @ h.transpose(-1, -2), dim=-1), 0.3, True), v)
+            probs = torch.softmax(input=h @ q.transpose(-1, -2), dim=-1)
+            k = torch.matmul(input=F.dropout(input=probs, p=0.1), other=v)   # keyword arguments
+            e = F.dropout(input=F.gelu(input=h), p=0.1)
+            return a.matmul(torch.ones(16, 2, dtype=torch.float64)) + torch.dropout(h, 0.1, True).sum() + \
+                k.sum() + e.sum()
+
+    gm = M.tempo_graph(torch.fx.symbolic_trace(Block()))
+    assert gm.tempo_summary.counts() == {"attention": 2, "gelu+dropout": 2, "dropout": 1, "layer_norm": 1}
+    q = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    gm(q, v).sum().backward()
+    assert q.grad is not None and v.grad is not None and gm.w.grad is not None
+
+
+def test_tempo_graph_leaves_what_it_does_not_recognise():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = nn.Dropout(0.1, inplace=True)
+
+        def forward(self, x):
+            a = torch.softmax(x, dim=1) @ x                     # softmax over dim 1, no dropout
+            p = torch.softmax(x, dim=-1)
+            b = F.dropout(p, 0.1) @ x + p                        # softmax output used twice
+            c = self.drop(x * 2)                                 # in-place dropout
+            h = F.gelu(x)
+            h.mul_(2.0)                                          # GELU output overwritten: keep GELU
+            n = F.layer_norm(x, (6,))
+            n.add_(1.0)                                          # LayerNorm output overwritten
+            return a + b + c + torch.sigmoid(x) * x + h + n      # and a GELU look-alike
+
+    gm = torch.fx.symbolic_trace(Odd())
+    before = [(n.op, n.target) for n in gm.graph.nodes]
+    M.tempo_graph(gm)
+    after = [(n.op, n.target) for n in gm.graph.nodes]
+    kept = gm.tempo_summary.kept
+    assert any("dim 1" in why for why in kept.values())
+    assert any("in-place" in why for why in kept.values())
+    assert sum("modified in place" in why for why in kept.values()) == 2
+    # Only the dropout after the twice-used softmax is rewritten (into the compact dropout).
+    assert gm.tempo_summary.counts() == {"dropout": 1}
+    changed = [b for b, a in zip(before, after) if b != a]
+    assert changed == [("call_function", F.dropout)]
+    x = torch.randn(6, 6, requires_grad=True)
+    gm(x).sum().backward()   # runs, and autograd's in-place checks are satisfied
+    assert "tempo (FX graph): replaced 1 dropout;" in str(gm.tempo_summary)
+    with pytest.raises(TypeError, match="tempo_modules"):
+        M.tempo_graph(Odd())
+
+
+def test_gelu_is_not_fused_with_a_dropout_whose_output_is_overwritten():
+    def f(x):
+        e = F.dropout(F.gelu(x), 0.1)
+        e.mul_(3.0)        # the fused version would keep e for backward
+        return e
+
+    gm = M.tempo_graph(torch.fx.symbolic_trace(f))
+    assert gm.tempo_summary.counts() == {"gelu": 1, "dropout": 1}
+    x = torch.randn(4, 50, requires_grad=True)
+    gm(x).sum().backward()
+    assert x.grad is not None
+
+
+def test_tempo_graph_keeps_the_model_parameters_and_state_dict():
+    layer = _layer()
+    keys = list(layer.state_dict())
+    gm = M.tempo(layer)   # traces (the model's modules shared), then rewrites the graph
+    assert isinstance(gm, torch.fx.GraphModule)
+    assert list(gm.state_dict()) == keys
+    assert type(layer.attention.dropout) is nn.Dropout and type(layer.attn_norm) is nn.LayerNorm
+    assert gm.attn_norm.weight is layer.attn_norm.weight
+
+
+def test_tempo_graph_composes_with_tensorize():
+    import comera_compile as cc
+    from comera_compile.layers import TTLinear
+
+    torch.manual_seed(0)
+    model = six_encoder.build(**SMALL)
+    tt = cc.tensorize(model, rank=4, min_features=16)
+    gm = M.tempo_graph(tt)
+    assert gm.tempo_summary.counts()["attention"] == 1
+    assert any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), TTLinear)
+               for n in gm.graph.nodes)
+    ids, seg, mask = six_encoder.example_inputs(model, batch=2, seq=8)
+    gm.eval()
+    tt.eval()
+    close(gm(ids, seg, mask), tt(ids, seg, mask), torch.float32)
+    gm.train()
+    gm(ids, seg, mask).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters() if p.requires_grad and p.dim() > 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Module swap
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(12, dtype=torch.float64)
+        self.act = nn.GELU(approximate="tanh")
+        self.drop = nn.Dropout(0.2)
+        self.same_drop = self.drop     # one module under two names
+        self.keep = nn.Dropout(0.1, inplace=True)
+
+    def forward(self, x):
+        if x.sum() > 1e9:              # data-dependent control flow: torch.fx cannot trace this
+            return x
+        return self.same_drop(self.act(self.drop(self.norm(x))))
+
+
+def test_tempo_modules_swaps_and_shares_parameters():
+    model = Untraceable()
+    weight = model.norm.weight
+    ref = copy.deepcopy(model)
+    ref.drop = ref.same_drop = MaskReplayDropout(0.2)
+    with pytest.warns(UserWarning, match="cannot trace"):
+        out = M.tempo(model)
+    assert out is model and not out.tempo_summary.traced
+    assert type(model.norm) is M.TempoLayerNorm and model.norm.weight is weight
+    assert type(model.act) is M.TempoGELU and model.act.approximate == "tanh"
+    assert model.drop is model.same_drop and type(model.drop) is M.TempoDropout
+    assert type(model.keep) is nn.Dropout
+    assert set(out.tempo_summary.replaced) == {"norm", "act", "drop", "same_drop"}
+    assert "keep" in out.tempo_summary.kept
+    x = torch.randn(4, 12, dtype=torch.float64)
+    g = torch.randn(4, 12, dtype=torch.float64)
+    torch.manual_seed(2)
+    got = grads_of(model, [x], g) + [model.norm.weight.grad.clone()]
+    torch.manual_seed(2)
+    want = grads_of(ref, [x], g) + [ref.norm.weight.grad.clone()]
+    for a, b in zip(got, want):
+        close(a, b, torch.float64)
+
+
+def test_tempo_modules_recognises_transformers_gelu():
+    activations = pytest.importorskip("transformers.activations")
+    model = nn.Sequential(activations.GELUActivation(), activations.GELUTanh(), nn.Linear(4, 4))
+    M.tempo_modules(model)
+    assert [type(m).__name__ for m in model] == ["TempoGELU", "TempoGELU", "Linear"]
+    assert [m.approximate for m in model[:2]] == ["none", "tanh"]
+    with pytest.raises(TypeError, match="nn.Module"):
+        M.tempo_modules(lambda x: x)
