@@ -5,6 +5,8 @@ Public API only; see README.md for a quick start.
 
 from comera_compile.backend import comera_backend, compile_step, register as _register_backend
 from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.memory import peak_bytes, saved_bytes
+from comera_compile.passes.memory import tempo
 from comera_compile.rank_adaptive import RankAdaptive, param_groups
 from comera_compile.passes.tensorize import PRESETS, LayerShape, TensorizeError, TensorizeSummary, tensorize
 from comera_compile.report import Explanation, explain
@@ -30,4 +32,7 @@ __all__ = [
     "compile_step",
     "RankAdaptive",
     "param_groups",
+    "tempo",
+    "saved_bytes",
+    "peak_bytes",
 ]

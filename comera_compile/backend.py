@@ -22,6 +22,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                          "trees); ignored on CPU"),
     "contraction": (True, "expand TT-layer call_module nodes into their planned contractions"),
     "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
+    "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
+                      "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
 
 
@@ -33,8 +35,8 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
-    if not isinstance(out["cudagraphs"], bool) or not isinstance(out["contraction"], bool):
-        raise TypeError("options 'cudagraphs' and 'contraction' take True or False")
+    if not all(isinstance(out[k], bool) for k in ("cudagraphs", "contraction", "memory")):
+        raise TypeError("options 'cudagraphs', 'contraction' and 'memory' take True or False")
     if not isinstance(out["inductor"], dict):
         raise TypeError("option 'inductor' takes a dict of Inductor config patches")
     return out
@@ -68,6 +70,10 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from comera_compile.passes.contraction import expand_contractions
 
         expand_contractions(gm, example_inputs)
+    if opts["memory"]:
+        from comera_compile.passes.memory import tempo_graph
+
+        return tempo_graph(gm).forward
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))

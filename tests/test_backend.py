@@ -3,6 +3,7 @@ the CUDA path's decisions (tested on CPU), whole-step compilation."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -159,3 +160,17 @@ def test_compile_step_matches_eager_steps():
     assert losses[-1] < losses[0]
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
+
+
+def test_memory_option_applies_the_tempo_passes(caplog):
+    caplog.set_level(logging.INFO, logger="comera_compile.memory")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4)).double()
+    x = torch.randn(6, 32, dtype=torch.float64, requires_grad=True)
+    ref = model(x)
+    (gx_ref,) = torch.autograd.grad(ref.sum(), x)
+    out = torch.compile(model, backend="comera", options={"memory": True})(x)
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-10, atol=1e-12)
+    assert "gelu" in caplog.text.lower() and "layer_norm" in caplog.text.lower().replace("layernorm", "layer_norm")
