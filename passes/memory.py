@@ -119,8 +119,11 @@ def _sole_owner_counts(make: Callable[[], torch.Tensor]) -> tuple[int, ...]:
     return _ref_counts(grad)
 
 
-_SOLE = _sole_owner_counts(lambda: torch.empty(8))
-_SOLE_VIEW = _sole_owner_counts(lambda: torch.empty(8).view(2, 4))
+try:  # private reference-count APIs: without them, gradients are never reused (always a new buffer)
+    _SOLE: tuple[int, ...] | None = _sole_owner_counts(lambda: torch.empty(8))
+    _SOLE_VIEW: tuple[int, ...] | None = _sole_owner_counts(lambda: torch.empty(8).view(2, 4))
+except (AttributeError, RuntimeError, TypeError):
+    _SOLE = _SOLE_VIEW = None
 
 
 def _take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +134,7 @@ def _take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     gradient it owns, this saves a full-size allocation at the backward pass's peak.  Otherwise a new one."""
     grad = grads.pop()
     grads.clear()
-    if grad.is_contiguous() and not grad.requires_grad and \
+    if _SOLE is not None and grad.is_contiguous() and not grad.requires_grad and \
             _ref_counts(grad) == (_SOLE_VIEW if grad._base is not None else _SOLE):
         return grad, grad
     grad = grad.contiguous()
