@@ -86,7 +86,7 @@ class Explanation:
         out.append(f"model: {self.dense_total_params:,} parameters dense -> {self.total_params:,} "
                    f"({self.compression:.1f}x smaller)")
         if self.kept_dense:
-            out.append(f"kept dense: " + "; ".join(f"{n} ({why})" for n, why in self.kept_dense.items()))
+            out.append("kept dense: " + "; ".join(f"{n} ({why})" for n, why in self.kept_dense.items()))
         return "\n".join(out)
 
 

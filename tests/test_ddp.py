@@ -3,7 +3,6 @@ processes (gloo, CPU, rendezvous on 127.0.0.1) exactly like one process on the s
 
 from __future__ import annotations
 
-import os
 import socket
 
 import pytest

@@ -292,7 +292,7 @@ def test_layer_norm_matches_torch(rows, shape, affine, dtype, seed):
     b = torch.randn(shape, generator=gen, dtype=dtype)
     w.view(-1)[0] = 0.0          # a zero weight: the normalised input cannot be rebuilt there
     w.view(-1)[-1] = 1e-3        # tiny next to its bias: rebuilding it would lose digits
-    inputs, fn_args = [x], {}
+    inputs = [x]
     if affine == "affine":
         inputs += [w, b]
     elif affine == "weight":

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import copy
-import math
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
