@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -m slow -q
+test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
+	$(PY) -m pytest -m slow -q || test $$? -eq 5
 
 inspect: $(STAMP)
 	$(VENV)/bin/comera-compile inspect --example six-encoder
