@@ -469,6 +469,7 @@ def _program(plan: Plan) -> tuple:
     return tuple((i, j, step.recipe) for (i, j), step in zip(plan.path, plan.steps))
 
 
+@lru_cache(maxsize=4096)
 def tt_linear_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> tuple:
     """The plan of plan_tt_linear as plain nested tuples, ((i, j, recipe), ...), for run_program."""
     return _program(plan_tt_linear(spec, rows, training, input_requires_grad))
@@ -526,10 +527,11 @@ def _segments(spec: TTSpec, training: bool, input_requires_grad: bool) -> tuple[
     return tuple(kept[1:]), programs
 
 
-def run_program(program: tuple, operands: Sequence[torch.Tensor], rows, bias: torch.Tensor | None = None
-                ) -> torch.Tensor:
-    """Execute a program from tt_linear_program on the operands (network tensor order).  A bias is fused
-    into the last GEMM where fuses_bias allows; the caller checks that and passes None otherwise."""
+def run_program(program: tuple, operands: Sequence[torch.Tensor], rows, bias: torch.Tensor | None = None,
+                on_step=None) -> torch.Tensor:
+    """Execute a program ((i, j, recipe), ...) on the operands (network tensor order), for `rows` rows.
+    A bias is fused into the last GEMM where fuses_bias allows (the caller checks; else None).  Works on
+    FX proxies too; on_step(k, result) sees each contraction's result."""
     ops = list(operands)
     last = len(program) - 1
     for k, (i, j, recipe) in enumerate(program):
@@ -540,23 +542,17 @@ def run_program(program: tuple, operands: Sequence[torch.Tensor], rows, bias: to
         else:
             ops.pop(j)
             ops.pop(i)
-        ops.append(contract_pair(a, b, recipe, rows, bias if k == last else None))
+        c = contract_pair(a, b, recipe, rows, bias if k == last else None)
+        if on_step is not None:
+            on_step(k, c)
+        ops.append(c)
     return ops[0]
 
 
 def execute(plan: Plan, operands: Sequence[torch.Tensor], on_step=None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Run a plan's pairwise contractions on the operands (in the network's tensor order).
-
-    Each step is a matmul on reshaped views (see contract_pair).  Works on FX proxies too, which is how
-    passes.contraction writes the same ops into a graph; on_step(k, step, result) sees each result."""
-    ops = list(operands)
-    for k, ((i, j), step) in enumerate(zip(plan.path, plan.steps)):
-        a, b = ops[i], ops[j]
-        for m in sorted((i, j), reverse=True):
-            ops.pop(m)
-        c = contract_pair(a, b, step.recipe, plan.rows, bias if k == len(plan.steps) - 1 else None)
-        if on_step is not None:
-            on_step(k, step, c)
-        ops.append(c)
-    return ops[0]
+    """Run a plan's pairwise contractions on the operands, each a matmul on reshaped views (see
+    contract_pair); passes.contraction writes the same ops into a graph this way, through FX proxies.
+    on_step(k, step, result) sees each result."""
+    hook = None if on_step is None else (lambda k, c: on_step(k, plan.steps[k], c))
+    return run_program(_program(plan), operands, plan.rows, bias, hook)
