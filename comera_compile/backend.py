@@ -22,6 +22,9 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                          "trees); ignored on CPU"),
     "contraction": (True, "expand TT-layer call_module nodes into their planned contractions"),
     "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
+    "fast_dropout": (True, "dropout masks from an integer hash of the element index computed inside Inductor's "
+                           "kernels (passes.dropout) instead of a per-element draw from torch's generator: same "
+                           "distribution, different bits, several times cheaper"),
     "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
@@ -35,8 +38,9 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
-    if not all(isinstance(out[k], bool) for k in ("cudagraphs", "contraction", "memory")):
-        raise TypeError("options 'cudagraphs', 'contraction' and 'memory' take True or False")
+    flags = ("cudagraphs", "contraction", "fast_dropout", "memory")
+    if not all(isinstance(out[k], bool) for k in flags):
+        raise TypeError(f"options {', '.join(repr(k) for k in flags)} take True or False")
     if not isinstance(out["inductor"], dict):
         raise TypeError("option 'inductor' takes a dict of Inductor config patches")
     return out
@@ -74,6 +78,10 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from comera_compile.passes.memory import tempo_graph
 
         return tempo_graph(gm).forward
+    if opts["fast_dropout"]:
+        from comera_compile.passes.dropout import fast_dropout
+
+        fast_dropout(gm)
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))

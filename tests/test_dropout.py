@@ -1,0 +1,134 @@
+"""passes.dropout: hash-based dropout masks have dropout's distribution, scaling and gradient, in eager and
+under Inductor, and the graph pass swaps every dropout of a GraphModule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from comera_compile.passes import dropout as dropout_pass
+from comera_compile.passes.dropout import HashDropout, fast_dropout, hash_dropout
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_keep_fraction_and_scale(p):
+    torch.manual_seed(0)
+    x = torch.rand(400_000, dtype=torch.float64) + 0.5   # never zero, so a zero output means dropped
+    y = hash_dropout(x, p)
+    kept = y != 0
+    n = x.numel()
+    sigma = math.sqrt(n * p * (1 - p))
+    assert abs(kept.sum().item() - n * (1 - p)) < 5 * sigma
+    torch.testing.assert_close(y[kept], x[kept] * (1.0 / (1.0 - p)), rtol=1e-15, atol=0)
+
+
+def test_mask_has_no_structure():
+    """Neighbouring elements, rows and columns are kept independently of each other."""
+    torch.manual_seed(1)
+    keep = (hash_dropout(torch.ones(1024, 1024), 0.5) != 0).double()
+    flat = keep.flatten()
+    a, b = flat[:-1] - flat.mean(), flat[1:] - flat.mean()
+    corr = (a * b).mean() / (a.std() * b.std())
+    assert abs(corr.item()) < 5 / math.sqrt(flat.numel())
+    for per in (keep.mean(0), keep.mean(1)):   # 1024 per column/row: sd 1/64
+        assert (per - 0.5).abs().max().item() < 5 / 64
+
+
+def test_seeded_and_fresh_per_call():
+    x = torch.ones(10_000)
+    torch.manual_seed(3)
+    a, b = hash_dropout(x, 0.3), hash_dropout(x, 0.3)
+    torch.manual_seed(3)
+    assert torch.equal(hash_dropout(x, 0.3), a)
+    assert not torch.equal(a, b)
+
+
+def test_identity_cases_and_errors():
+    x = torch.randn(5, 7)
+    assert hash_dropout(x, 0.5, training=False) is x
+    assert hash_dropout(x, 0.0) is x
+    assert torch.equal(hash_dropout(x, 1.0), torch.zeros_like(x))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        hash_dropout(x, 1.5)
+
+
+def test_inplace_modifies_input():
+    torch.manual_seed(0)
+    x = torch.rand(1000) + 1
+    y = hash_dropout(x, 0.5, inplace=True)
+    assert y.data_ptr() == x.data_ptr() and (x == 0).any()
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=0, max_size=4),
+       p=st.floats(0.05, 0.95), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_gradient_is_mask_times_scale(shape, p, dtype):
+    x = (torch.rand(shape, dtype=dtype) + 1).requires_grad_()
+    w = torch.randn(shape, dtype=dtype)
+    y = hash_dropout(x, p)
+    (y * w).sum().backward()
+    assert y.shape == x.shape and y.dtype == dtype
+    expected = (y.detach() != 0).to(dtype) * w * (1.0 / (1.0 - p))
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_compiled_masks_agree_between_forward_and_backward():
+    """Under Inductor the backward may recompute the mask: it must be the forward's mask."""
+    def f(x, w):
+        return (hash_dropout(x, 0.25) * w).sum(), hash_dropout(x, 0.25)
+
+    cf = torch.compile(f, backend="inductor", fullgraph=True)
+    torch.manual_seed(0)
+    x = (torch.rand(64, 33) + 1).requires_grad_()
+    w = torch.randn(64, 33)
+    loss, y2 = cf(x, w)
+    loss.backward()
+    mask = x.grad != 0
+    torch.testing.assert_close(x.grad[mask], (w / 0.75)[mask])
+    assert abs(mask.double().mean().item() - 0.75) < 0.05
+    assert not torch.equal(mask, y2 != 0)   # the two calls drew different masks
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return F.dropout(self.drop(self.lin(x)), 0.2, training=self.training)
+
+
+def test_graph_pass_swaps_modules_and_calls():
+    gm = torch.fx.symbolic_trace(_Net())
+    assert fast_dropout(gm) == 2
+    assert isinstance(gm.drop, HashDropout) and gm.drop.p == 0.5
+    assert any(n.target is hash_dropout for n in gm.graph.nodes)
+    gm.eval()
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(gm.drop(x), x)
+
+
+def test_backend_runs_the_pass_by_default(monkeypatch):
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    calls = []
+    real = dropout_pass.fast_dropout
+    monkeypatch.setattr(dropout_pass, "fast_dropout", lambda gm: calls.append(1) or real(gm))
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: F.dropout(x, 0.5, training=True), backend="comera")
+    y = f(torch.ones(20_000))
+    assert calls and abs((y == 0).double().mean().item() - 0.5) < 0.02
+    torch._dynamo.reset()
+    calls.clear()
+    g = torch.compile(lambda x: F.dropout(x, 0.5, training=True) + 1, backend="comera",
+                      options={"fast_dropout": False})
+    g(torch.ones(10))
+    assert not calls
