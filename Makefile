@@ -5,14 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.comera-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-slow inspect clean
+.PHONY: install test test-slow inspect bench bench-quick clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install --quiet -e ".[test,examples]"
+	$(PY) -m pip install --quiet -e ".[test,examples,bench]"
 	touch $(STAMP)
 
 test: $(STAMP)
@@ -23,6 +23,12 @@ test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error 
 
 inspect: $(STAMP)
 	$(VENV)/bin/comera-compile inspect --example six-encoder
+
+bench: $(STAMP)
+	$(VENV)/bin/comera-compile bench
+
+bench-quick: $(STAMP)
+	$(VENV)/bin/comera-compile bench --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""The `comera-compile` command line: inspect a model's TT rewrite."""
+"""The `comera-compile` command line: inspect a model's TT rewrite; run the benchmark suite."""
 
 from __future__ import annotations
 
@@ -61,6 +61,16 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from comera_compile.benchmarks.suite import run_suite
+
+    try:
+        run_suite(quick=args.quick, only=args.only, json_path=args.json)
+    except ValueError as e:
+        raise SystemExit(f"comera-compile bench: {e}") from e
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="comera-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,9 +82,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rank", type=int, default=None, help="TT rank (default: 30, or the example's preset)")
     p.add_argument("--layers", type=int, default=6, help="encoder layers of the example model (default 6)")
     p.add_argument("--rows", type=int, default=1024, help="row count the FLOPs are reported for")
+    b = sub.add_parser("bench", help="run the benchmark suite: every figure a median beside its baseline")
+    b.add_argument("--quick", action="store_true", help="smaller models and fewer repeats (under 2 minutes)")
+    b.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
+    b.add_argument("--only", nargs="+", metavar="NAME", default=None,
+                   help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
+                        "six_encoder_step, galore)")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)
+    if args.command == "bench":
+        return _bench(args)
     return 2
 
 

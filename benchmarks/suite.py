@@ -1,0 +1,65 @@
+"""Run the benchmark suite (every module's ``run``), print each figure beside its baseline, save a JSON."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["SUITE", "available", "run_suite"]
+
+# In the order they run: the cheap per-layer figures first, the compiled whole-model steps after.
+SUITE = ("tt_linear", "embeddings", "memory_passes", "rank_adaptive", "six_encoder_step", "galore")
+
+
+def available() -> list[str]:
+    """The suite's benchmarks present in this installation."""
+    return [n for n in SUITE if importlib.util.find_spec(f"{__package__}.{n}") is not None]
+
+
+def _machine() -> dict:
+    return {"python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def run_suite(quick: bool = False, only: Sequence[str] | None = None, json_path: str | Path | None = None,
+              out: Callable[[str], object] = print) -> dict:
+    """Run the chosen benchmarks (default: all), printing each one's figures as it finishes; return (and
+    write to json_path when given) every figure with the command, date and machine."""
+    names = available()
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"unknown benchmark(s) {unknown}; choose from {names}")
+        names = [n for n in names if n in only]
+    report = {"command": " ".join(["comera-compile", *sys.argv[1:]]) if sys.argv else "comera-compile bench",
+              "date": _dt.datetime.now().isoformat(timespec="seconds"), "quick": quick, "machine": _machine(),
+              "results": {}}
+    t_all = time.perf_counter()
+    for i, name in enumerate(names, 1):
+        out(f"[{i}/{len(names)}] {name} ...")
+        mod = importlib.import_module(f"{__package__}.{name}")
+        t0 = time.perf_counter()
+        rows = mod.run(quick=quick)
+        seconds = time.perf_counter() - t0
+        out(mod.format_rows(rows))
+        out(f"  ({seconds:.1f} s)")
+        report["results"][name] = {"rows": rows, "seconds": seconds}
+    report["seconds"] = time.perf_counter() - t_all
+    out(f"suite done in {report['seconds']:.1f} s")
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        out(f"wrote {path}")
+    return report
