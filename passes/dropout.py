@@ -2,12 +2,13 @@
 
 Torch draws a dropout mask element by element from a stateful generator: eagerly from mt19937 behind a lock,
 under Inductor from Philox, both far slower per element than the multiply they feed (a third of a
-tensorized six-encoder training step on CPU).  ``hash_dropout`` keeps element i when a fixed 32-bit mix of
-(i * a + b) is at least p * 2^32, where a (odd) and b are drawn once per call from torch's generator.  The
-mask is then plain integer arithmetic on an iota: Inductor fuses it into the elementwise kernel around it,
-vectorised, and AOTAutograd may recompute it in the backward instead of saving it.  Each element is kept
-with probability 1 - p (to 2^-32), scaled by 1 / (1 - p), as torch's dropout does; ``torch.manual_seed``
-reproduces the masks; the bits differ from eager's (as Inductor's Philox bits already do).
+tensorized six-encoder training step on CPU).  ``hash_dropout`` keeps element i when a fixed 32-bit
+mix of (i * a + b), read as 31 bits, is at least p * 2^31, where a (odd) and b are drawn once per call from
+torch's generator.  The mask is then plain integer arithmetic on an iota: Inductor fuses it into the
+elementwise kernel around it, vectorised, and AOTAutograd may recompute it in the backward instead of
+saving it.  Each element is kept with probability 1 - p (to 2^-31), scaled by 1 / (1 - p), as torch's
+dropout does; ``torch.manual_seed`` reproduces the masks; the bits differ from eager's (as Inductor's
+Philox bits already do).
 
 ``fast_dropout(gm)`` swaps every dropout of a GraphModule (functional calls and nn.Dropout modules) for it;
 the "comera" backend runs it by default (option ``fast_dropout``).
@@ -23,19 +24,44 @@ from torch import nn
 __all__ = ["hash_dropout", "HashDropout", "fast_dropout"]
 
 _M32 = 0xFFFFFFFF
-# Two odd multipliers below 2^31, so every product of a 32-bit value stays below 2^63 in int64 arithmetic
-# (no overflow, no undefined behaviour in generated C++).  The first is from Wellons' "lowbias32" search.
+_INT32_INDICES = 2**31   # tensors with fewer elements hash in int32
+# Odd multipliers below 2^31 (the first from Wellons' "lowbias32" search).
 _C1 = 0x7FEB352D
 _C2 = 0x2C1B3C6D
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit finaliser (xor-shift-multiply, three rounds) on int64 values in [0, 2^32)."""
+    """A 32-bit finaliser (xor-shift-multiply) on int32 words; the masks after each right shift make the
+    shifts logical.  int32 products wrap around (two's complement), as torch's kernels and Inductor's
+    vectorised code compute them: half the cost of the same mix in int64, which has no vector multiply."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * _C1
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _C2
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+def _mix64(h: torch.Tensor) -> torch.Tensor:
+    """The same finaliser on int64 values in [0, 2^32), with no wrap-around (for tensors of 2^31 elements
+    or more, whose indices do not fit in int32)."""
     h = h ^ (h >> 16)
     h = (h * _C1) & _M32
     h = h ^ (h >> 15)
     h = (h * _C2) & _M32
     return h ^ (h >> 16)
+
+
+def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
+    """Bool keep flags for n elements: element i is kept when mix(i * a + b) >= p * 2^32 (as 32-bit
+    unsigned words), a odd and b drawn from torch's generator."""
+    if n < _INT32_INDICES:
+        words = torch.randint(0, 2**30, (2,), device=device, dtype=torch.int32)
+        idx = torch.arange(n, device=device, dtype=torch.int32)
+        h = _mix32(idx * (words[0] * 2 + 1) + words[1])
+        return (h & 0x7FFFFFFF) >= round(p * 2**31)   # 31 of the 32 bits
+    words = torch.randint(0, 2**30, (2,), device=device, dtype=torch.int64)
+    idx = torch.arange(n, device=device, dtype=torch.int64) & _M32
+    return _mix64((idx * (words[0] * 2 + 1) + words[1]) & _M32) >= round(p * 2**32)
 
 
 def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
@@ -46,14 +72,8 @@ def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inp
         return input
     if p == 1.0:
         return input.zero_() if inplace else input * 0.0
-    words = torch.randint(0, 2**30, (2,), device=input.device, dtype=torch.int64)
-    a, b = words[0] * 2 + 1, words[1]
-    idx = torch.arange(input.numel(), device=input.device, dtype=torch.int64)
-    if input.numel() > _M32:
-        idx = idx & _M32
-    keep = _mix32((idx * a + b) & _M32) >= round(p * 2**32)
+    mask = _keep(input.numel(), p, input.device).view(input.shape)
     scale = 1.0 / (1.0 - p)
-    mask = keep.view(input.shape)
     if inplace:
         return input.mul_(mask).mul_(scale)
     return input * mask * scale

@@ -17,8 +17,16 @@ from comera_compile.passes import dropout as dropout_pass
 from comera_compile.passes.dropout import HashDropout, fast_dropout, hash_dropout
 
 
+@pytest.fixture(params=["int32", "int64"])
+def index_width(request, monkeypatch):
+    """Both hash paths: int32 (tensors under 2^31 elements) and int64 (larger ones), forced on small data."""
+    if request.param == "int64":
+        monkeypatch.setattr(dropout_pass, "_INT32_INDICES", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-def test_keep_fraction_and_scale(p):
+def test_keep_fraction_and_scale(p, index_width):
     torch.manual_seed(0)
     x = torch.rand(400_000, dtype=torch.float64) + 0.5   # never zero, so a zero output means dropped
     y = hash_dropout(x, p)
@@ -29,7 +37,7 @@ def test_keep_fraction_and_scale(p):
     torch.testing.assert_close(y[kept], x[kept] * (1.0 / (1.0 - p)), rtol=1e-15, atol=0)
 
 
-def test_mask_has_no_structure():
+def test_mask_has_no_structure(index_width):
     """Neighbouring elements, rows and columns are kept independently of each other."""
     torch.manual_seed(1)
     keep = (hash_dropout(torch.ones(1024, 1024), 0.5) != 0).double()
@@ -41,7 +49,7 @@ def test_mask_has_no_structure():
         assert (per - 0.5).abs().max().item() < 5 / 64
 
 
-def test_seeded_and_fresh_per_call():
+def test_seeded_and_fresh_per_call(index_width):
     x = torch.ones(10_000)
     torch.manual_seed(3)
     a, b = hash_dropout(x, 0.3), hash_dropout(x, 0.3)
