@@ -100,6 +100,14 @@ def register() -> None:
     register_backend(name="comera")(comera_backend)
 
 
+def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
+    """Switch param groups left at torch's default implementation to the multi-tensor one, where the
+    optimizer has one (groups naming foreach or fused explicitly are left alone)."""
+    for group in optimizer.param_groups:
+        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+            group["foreach"] = True
+
+
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  optimizer: torch.optim.Optimizer, *, backend: str = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None,
@@ -110,7 +118,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     and loss compile with the backend, and AOTAutograd compiles the backward with them.  The optimizer
     step compiles too when compile_optimizer is True; the default (None) does so on CUDA, where it joins
     the CUDA Graph replay, and not on CPU, where Inductor spends minutes on the per-parameter code of a
-    TT model's hundreds of small tensors for no faster a step than the optimizer's own foreach kernels."""
+    TT model's hundreds of small tensors for no faster a step than the optimizer's own foreach kernels.
+    Run eagerly, param groups left at torch's default implementation (on CPU a Python loop over the
+    parameters, several times slower for a TT model's hundreds of small tensors) are switched to the
+    multi-tensor (foreach) one, which computes the same update (``group["foreach"] = True``)."""
     kwargs = {"options": options} if options else {}
 
     def forward_loss(*args: Any) -> torch.Tensor:
@@ -124,7 +135,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         if "fn" not in state:
             on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
             use = on_cuda if compile_optimizer is None else compile_optimizer
-            state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs) if use else optimizer.step
+            if use:
+                state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
+            else:
+                _prefer_foreach(optimizer)
+                state["fn"] = optimizer.step
         state["fn"]()
 
     def step(*args: Any) -> torch.Tensor:

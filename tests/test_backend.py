@@ -158,8 +158,17 @@ def test_compile_step_matches_eager_steps():
     step = cc.compile_step(model, loss_fn, opt)
     losses = [step(x, target) for _ in range(5)]
     assert losses[-1] < losses[0]
+    assert all(g["foreach"] for g in opt.param_groups)   # torch's CPU default (a loop) -> multi-tensor
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
+
+
+def test_compile_step_keeps_an_explicit_optimizer_implementation():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    step = cc.compile_step(model, nn.MSELoss(), opt, backend="eager")
+    step(torch.randn(3, 4), torch.randn(3, 2))
+    assert opt.param_groups[0]["foreach"] is False
 
 
 def test_memory_option_applies_the_tempo_passes(caplog):
