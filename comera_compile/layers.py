@@ -286,47 +286,100 @@ class TTEmbedding(TTLayer):
         cores = svd_cores(weight.detach(), spec) if init == "svd" else None
         return cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
 
-    def flops(self, rows: int) -> int:
-        """FLOPs of `rows` lookups: the chain of batched products over the gathered core slices."""
-        s, total, acc = self.spec, 0, 1
-        for k in range(1, len(s.in_modes)):
-            acc *= s.out_modes[k - 1]
-            total += 2 * rows * acc * s.ranks[k] * s.out_modes[k] * s.ranks[k + 1]
-        return total
+    def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> network.LookupPlan:
+        """How `rows` distinct rows are looked up: the core pairs merged (into tables, or only for the
+        batch's digit pairs) and the contraction order, chosen by the planner's cost model and cached."""
+        return network.plan_ttm_lookup(self.spec, network.lookup_bucket(rows), training, dedupe)
 
-    def _lookup(self, flat: torch.Tensor) -> torch.Tensor:
-        """Rows for a 1-D index tensor, shape (n, embedding_dim)."""
+    def flops(self, rows: int) -> int:
+        """Forward FLOPs of looking up `rows` distinct rows with the planned merging and order."""
+        return self.plan(rows, training=False).flops
+
+    def _check_indices(self, indices: torch.Tensor, where: str) -> torch.Tensor:
+        """The indices as a flat int64 tensor, after nn.Embedding's checks (type, range) where data exists."""
+        if indices.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{where} expects integer indices (torch.long or torch.int), got {indices.dtype}")
+        flat = indices.reshape(-1).long()
+        if flat.numel() > 0 and _has_data(flat):
+            lo, hi = torch.aminmax(flat)
+            if int(lo) < 0 or int(hi) >= self.num_embeddings:
+                raise IndexError("index out of range in self")
+        return flat
+
+    def _rows(self, idx: torch.Tensor, groups: tuple, program: tuple) -> torch.Tensor:
+        """Rows (n, out_padded) of a 1-D index tensor, following a lookup plan's groups and program."""
         s = self.spec
-        n = flat.shape[0]
-        acc, cols = None, 1
-        for k, core in enumerate(self.gated_cores()):
-            digit = torch.div(flat, self._strides[k], rounding_mode="floor") % s.in_modes[k]
-            sl = core.index_select(1, digit)  # (r_{k-1}, n, e_k, r_k)
-            cols *= s.out_modes[k]
-            if acc is None:
-                acc = sl.reshape(n, cols, s.ranks[1])
+        n = idx.shape[0]
+        cores = self.gated_cores()
+        by_row: dict[int, torch.Tensor] = {}
+
+        def row_major(k: int) -> torch.Tensor:  # core k as (v_k, r, e_k, r'): a row gather is one memcpy
+            if k not in by_row:
+                by_row[k] = cores[k].permute(1, 0, 2, 3).contiguous()
+            return by_row[k]
+
+        def digits(first: int, last: int, values: torch.Tensor) -> torch.Tensor:
+            modes = math.prod(s.in_modes[first:last])
+            return torch.div(values, self._strides[last - 1], rounding_mode="floor") % modes
+
+        def pair_rows(a: int, d: torch.Tensor) -> torch.Tensor:  # cores a, a+1 multiplied per digit pair
+            vb = s.in_modes[a + 1]
+            left = row_major(a).index_select(0, torch.div(d, vb, rounding_mode="floor"))
+            right = row_major(a + 1).index_select(0, d % vb)
+            m, r = d.shape[0], s.ranks[a + 1]
+            return torch.bmm(left.reshape(m, s.ranks[a] * s.out_modes[a], r),
+                             right.reshape(m, r, s.out_modes[a + 1] * s.ranks[a + 2]))
+
+        ops = []
+        for a, b, how in groups:
+            d = digits(a, b, idx)
+            if b - a == 1:
+                t = row_major(a).index_select(0, d)
+            elif how == "table":
+                va, vb = s.in_modes[a], s.in_modes[a + 1]
+                left = row_major(a).reshape(-1, s.ranks[a + 1])
+                right = cores[a + 1].reshape(s.ranks[a + 1], -1)
+                shape = (va, s.ranks[a], s.out_modes[a], vb, s.out_modes[a + 1], s.ranks[b])
+                table = (left @ right).reshape(shape).permute(0, 3, 1, 2, 4, 5).reshape(va * vb, -1)
+                t = table.index_select(0, d)
+            elif how == "dedupe":
+                pairs, inverse = torch.unique(d, return_inverse=True)
+                t = pair_rows(a, pairs).flatten(1).index_select(0, inverse)
             else:
-                sl = sl.permute(1, 0, 2, 3).reshape(n, s.ranks[k], s.out_modes[k] * s.ranks[k + 1])
-                acc = torch.bmm(acc, sl).reshape(n, cols, s.ranks[k + 1])
-        out = acc.reshape(n, s.out_padded)
+                t = pair_rows(a, d)
+            e = math.prod(s.out_modes[a:b])
+            shape = (n, e, s.ranks[b]) if a == 0 else (n, s.ranks[a], e) if b == len(s.in_modes) else (
+                n, s.ranks[a], e, s.ranks[b])
+            ops.append(t.reshape(shape))
+        out = ops[0] if not program else network.run_program(program, ops, n)
+        out = out.reshape(n, s.out_padded)
         if s.out_padded != self.embedding_dim:
             out = out[:, : self.embedding_dim]
         return out
 
-    def forward(self, indices: torch.Tensor) -> torch.Tensor:
-        if indices.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"TTEmbedding expects integer indices (torch.long or torch.int), got {indices.dtype}")
-        flat = indices.reshape(-1).long()
-        concrete = flat.numel() > 0 and _has_data(flat)
-        if concrete and (bool((flat < 0).any()) or bool((flat >= self.num_embeddings).any())):
-            raise IndexError("index out of range in self")
-        if concrete:  # look up each distinct row once (data-dependent shapes: eager only)
-            uniq, inverse = torch.unique(flat, return_inverse=True)
-            out = self._lookup(uniq).index_select(0, inverse)
+    def _lookup(self, flat: torch.Tensor, dedupe: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows, inverse): in eager mode the distinct rows of `flat` and where each entry of it sits among
+        them; while compiling (no data-dependent shapes) one row per entry and inverse None.  The padding
+        row reads as zeros, so it gets no gradient."""
+        training = torch.is_grad_enabled() and self.cores[0].requires_grad
+        concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
+        if concrete:
+            keys, inverse = torch.unique(flat, return_inverse=True)
+            groups, program = network.ttm_lookup_program(self.spec, keys.shape[0], training, True)
         else:
-            out = self._lookup(flat)
+            keys, inverse = flat, None
+            rows = flat.shape[0]
+            groups, program = network.ttm_lookup_program(
+                self.spec, rows if isinstance(rows, int) else 4096, training, False)
+        out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
-            out = out * (flat != self.padding_idx).unsqueeze(1).to(out.dtype)
+            out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)
+        return out, inverse
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        flat = self._check_indices(indices, type(self).__name__)
+        rows, inverse = self._lookup(flat)
+        out = rows if inverse is None else rows.index_select(0, inverse)
         return out.reshape(*indices.shape, self.embedding_dim)
 
     def to_dense(self) -> torch.Tensor:
