@@ -1,7 +1,7 @@
 """TT layers: plain nn.Modules holding TT cores and rank gates.
 
 TTLinear stands in for nn.Linear (and look-alikes such as transformers' Conv1D), TTEmbedding for
-nn.Embedding.  Both keep the dense layer's interface (shapes, dtype, bias, padding_idx) and are ordinary
+nn.Embedding and TTEmbeddingBag for nn.EmbeddingBag.  Both keep the dense layer's interface (shapes, dtype, bias, padding_idx) and are ordinary
 modules: state_dict, .to(), deepcopy and pickling work as for any nn.Module.
 """
 
@@ -17,7 +17,7 @@ from torch import nn
 from . import network
 from .tt import TTSpec, cores_to_dense, make_spec, random_cores, svd_cores
 
-__all__ = ["TTLinear", "TTEmbedding", "TTLayer", "DEFAULT_TAU"]
+__all__ = ["TTLinear", "TTEmbedding", "TTEmbeddingBag", "TTLayer", "DEFAULT_TAU"]
 
 DEFAULT_TAU = 1e-2  # a gate entry below this (in absolute value) counts as switched off
 
@@ -303,8 +303,11 @@ class TTEmbedding(TTLayer):
         if flat.numel() > 0 and _has_data(flat):
             lo, hi = torch.aminmax(flat)
             if int(lo) < 0 or int(hi) >= self.num_embeddings:
-                raise IndexError("index out of range in self")
+                self._out_of_range(flat)
         return flat
+
+    def _out_of_range(self, flat: torch.Tensor) -> None:
+        raise IndexError("index out of range in self")  # nn.Embedding's words
 
     def _rows(self, idx: torch.Tensor, groups: tuple, program: tuple) -> torch.Tensor:
         """Rows (n, out_padded) of a 1-D index tensor, following a lookup plan's groups and program."""
@@ -395,3 +398,69 @@ class TTEmbedding(TTLayer):
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
         return (f"{self.num_embeddings}, {self.embedding_dim}{pad}, row_modes={s.in_modes}, "
                 f"col_modes={s.out_modes}, ranks={s.ranks}")
+
+
+_BAG_MODES = ("sum", "mean", "max")
+
+
+class _BagIndexError(IndexError, RuntimeError):
+    """An out-of-range index of a bag: nn.EmbeddingBag's message and its RuntimeError, and an IndexError as
+    TTEmbedding raises, so either except clause catches it."""
+
+
+class TTEmbeddingBag(TTEmbedding):
+    """nn.EmbeddingBag with the table held as a TTM factorization: sums, means or maxima of bags of rows,
+    bags given as nn.EmbeddingBag takes them (a 2-D input of fixed-size bags, or a 1-D input with offsets,
+    include_last_offset, per_sample_weights in "sum" mode).  Each distinct row of a batch is looked up once;
+    entries equal to padding_idx are left out of their bag (and of a mean's count)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", *,
+                 padding_idx: int | None = None, include_last_offset: bool = False,
+                 rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
+                 col_modes: Sequence[int] | None = None, d: int | None = None, init: str = "random",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
+        if mode not in _BAG_MODES:
+            raise ValueError(f"mode must be one of {_BAG_MODES} (as in nn.EmbeddingBag), got {mode!r}")
+        super().__init__(num_embeddings, embedding_dim, padding_idx, rank=rank, row_modes=row_modes,
+                         col_modes=col_modes, d=d, init=init, device=device, dtype=dtype, spec=spec,
+                         _cores=_cores)
+        self.mode = mode
+        self.include_last_offset = include_last_offset
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, padding_idx: int | None = None, *, mode: str = "mean",
+                   include_last_offset: bool = False, rank: int | Sequence[int] = 30,
+                   row_modes: Sequence[int] | None = None, col_modes: Sequence[int] | None = None,
+                   d: int | None = None, init: str = "svd") -> "TTEmbeddingBag":
+        """A TTEmbeddingBag for a dense (V, D) table; init="svd" factorizes it (exact at full ranks)."""
+        _check_init(init)
+        v, e = weight.shape
+        spec = make_spec("ttm", v, e, rank, row_modes, col_modes, d, where="TTEmbeddingBag")
+        cores = svd_cores(weight.detach(), spec) if init == "svd" else None
+        return cls(v, e, mode, padding_idx=padding_idx, include_last_offset=include_last_offset, spec=spec,
+                   _cores=cores, device=weight.device, dtype=weight.dtype)
+
+    def _out_of_range(self, flat: torch.Tensor) -> None:
+        bad = int(((flat < 0) | (flat >= self.num_embeddings)).nonzero()[0, 0])
+        raise _BagIndexError(f"Index {bad} of input takes value {int(flat[bad])} which is not in the valid "
+                             f"range [0, {self.num_embeddings})")
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        flat = self._check_indices(input, "TTEmbeddingBag")
+        rows, inverse = self._lookup(flat)
+        position = torch.arange(flat.shape[0], device=flat.device) if inverse is None else inverse
+        pad = None
+        if self.padding_idx is not None:
+            # Padding entries point at one extra row that F.embedding_bag leaves out of every bag.
+            pad = rows.shape[0]
+            rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            position = torch.where(flat == self.padding_idx, pad, position)
+        return F.embedding_bag(position.reshape(input.shape), rows, offsets, mode=self.mode,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=pad)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}" + (
+            ", include_last_offset=True" if self.include_last_offset else "")
