@@ -364,3 +364,32 @@ def test_plans_are_cached_per_bucket():
     assert nw.lookup_bucket(4000) < 1.5 * 4000
     assert nw.plan_ttm_lookup(spec, 1024) is nw.plan_ttm_lookup(spec, 1024)
     assert math.isfinite(nw.plan_ttm_lookup(spec, 1024).cost)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The DLRM example
+
+
+def test_auc_matches_pair_counting():
+    from comera_compile.examples.dlrm import auc
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (200,), generator=g).double()  # many ties
+    labels = torch.rand(200, generator=g) < 0.3
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).double() + 0.5 * (pos[:, None] == neg[None, :]).double()
+    assert abs(auc(scores, labels.float()) - float(wins.mean())) < 1e-12
+
+
+def test_dlrm_example_smoke():
+    from comera_compile.examples import dlrm
+
+    r = dlrm.run(steps=6, batch=64, tables=3, smallest=100, largest=30_000, dim=8, rank=4, eval_samples=2000,
+                 progress=False)
+    sizes = dlrm.table_sizes(3, 100, 30_000)
+    assert r["tt_tables"] == [k for k, n in enumerate(sizes) if n >= dlrm.TT_MIN_ROWS] == [2]
+    assert r["embedding_params_dense"] == sum(sizes) * 8
+    assert r["compression"] > 1 and r["peak_memory_ratio"] > 1
+    for key in ("dense_auc", "tt_auc", "teacher_auc", "dense_logloss", "tt_logloss", "dense_step_ms", "tt_step_ms"):
+        assert math.isfinite(r[key]), key
+    assert 0.5 < r["teacher_auc"] <= 1
