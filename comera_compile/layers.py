@@ -47,6 +47,41 @@ def _has_data(t: torch.Tensor) -> bool:
     return not is_fake(t)
 
 
+class _PairRows(torch.autograd.Function):
+    """Products of two cores' slices per row, out[j] = a[ia[j]] @ b[ib[j]], run over chunks of rows: forward
+    and backward never hold the gathered slices of more than one chunk, and the backward adds each chunk's
+    gradient into the slices of the cores it came from (index_add), nothing else."""
+
+    CHUNK_ELEMENTS = 1 << 20  # gathered elements per chunk (4 MB in float32)
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, ia: torch.Tensor, ib: torch.Tensor) -> torch.Tensor:
+        n = ia.shape[0]
+        chunk = max(1, _PairRows.CHUNK_ELEMENTS // max(a[0].numel(), b[0].numel(), 1))
+        out = a.new_empty(n, a.shape[1], b.shape[2])
+        for start in range(0, n, chunk):
+            sl = slice(start, start + chunk)
+            torch.bmm(a.index_select(0, ia[sl]), b.index_select(0, ib[sl]), out=out[sl])
+        ctx.save_for_backward(a, b, ia, ib)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        a, b, ia, ib = ctx.saved_tensors
+        ga = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
+        gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
+        for start in range(0, ia.shape[0], ctx.chunk):
+            sl = slice(start, start + ctx.chunk)
+            g = grad[sl]
+            if ga is not None:
+                ga.index_add_(0, ia[sl], torch.bmm(g, b.index_select(0, ib[sl]).transpose(1, 2)))
+            if gb is not None:
+                gb.index_add_(0, ib[sl], torch.bmm(a.index_select(0, ia[sl]).transpose(1, 2), g))
+        return ga, gb, None, None
+
+
 class TTLayer(nn.Module):
     """Common part of the TT layers: the spec, the cores and the gates."""
 
@@ -312,6 +347,7 @@ class TTEmbedding(TTLayer):
     def _rows(self, idx: torch.Tensor, groups: tuple, program: tuple) -> torch.Tensor:
         """Rows (n, out_padded) of a 1-D index tensor, following a lookup plan's groups and program."""
         s = self.spec
+        eager = _has_data(idx)
         n = idx.shape[0]
         cores = self.gated_cores()
         by_row: dict[int, torch.Tensor] = {}
@@ -326,12 +362,13 @@ class TTEmbedding(TTLayer):
             return torch.div(values, self._strides[last - 1], rounding_mode="floor") % modes
 
         def pair_rows(a: int, d: torch.Tensor) -> torch.Tensor:  # cores a, a+1 multiplied per digit pair
-            vb = s.in_modes[a + 1]
-            left = row_major(a).index_select(0, torch.div(d, vb, rounding_mode="floor"))
-            right = row_major(a + 1).index_select(0, d % vb)
-            m, r = d.shape[0], s.ranks[a + 1]
-            return torch.bmm(left.reshape(m, s.ranks[a] * s.out_modes[a], r),
-                             right.reshape(m, r, s.out_modes[a + 1] * s.ranks[a + 2]))
+            vb, r = s.in_modes[a + 1], s.ranks[a + 1]
+            left = row_major(a).reshape(s.in_modes[a], s.ranks[a] * s.out_modes[a], r)
+            right = row_major(a + 1).reshape(vb, r, s.out_modes[a + 1] * s.ranks[a + 2])
+            ia, ib = torch.div(d, vb, rounding_mode="floor"), d % vb
+            if eager:
+                return _PairRows.apply(left, right, ia, ib)
+            return torch.bmm(left.index_select(0, ia), right.index_select(0, ib))
 
         ops = []
         for a, b, how in groups:
