@@ -5,7 +5,9 @@ CoMERA's word embedding (30522 x 768, TTM rows 16,20,10,10 / cols 4,4,8,6, ranks
 batches drawn from a Zipf law (realistic repetition): forward + backward + AdamW step of dense
 nn.Embedding, of TTEmbedding (distinct rows, planned core merging) and of the same cores looked up row by
 row (no dedupe, no merged tables).  Then a 10M x 128 table (5.1 GB dense in float32) trained with AdamW:
-peak tracked tensor memory of a step (comera_compile.memory.PeakMemory) and its time."""
+peak tracked tensor memory of a step (comera_compile.memory.PeakMemory) and its time.
+
+Run it: ``python -m comera_compile.benchmarks.embeddings [--quick] [--threads N]``."""
 
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ def naive_lookup(layer: TTEmbedding, indices: torch.Tensor) -> torch.Tensor:
 
 
 def _stepper(forward, module: nn.Module, batches: list[torch.Tensor], grad: torch.Tensor):
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)  # the fastest AdamW on CPU, for all
     state = {"k": 0}
 
     def step():
@@ -128,9 +130,23 @@ def _big_table(quick: bool) -> dict:
     }
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Rows of figures (medians, each baseline timed in the same run, interleaved)."""
-    return [_word_embedding(quick), _big_table(quick)]
+def run(quick: bool = False, threads: int | None = 1) -> list[dict]:
+    """Rows of figures (medians, each baseline timed in the same run, interleaved).
+
+    threads: torch intra-op threads for every case, baselines included (None keeps the current setting).
+    Default 1: on a small machine shared with other work, OpenMP threads waiting for a descheduled peer make
+    ops many times slower at random (index_add_ 0.4 ms on one thread, 90 ms on two), which no median
+    repairs; one thread measures the code, not the scheduler."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        rows = [_word_embedding(quick), _big_table(quick)]
+    finally:
+        torch.set_num_threads(before)
+    for r in rows:
+        r["threads"] = threads or before
+    return rows
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -141,7 +157,7 @@ def format_rows(rows: list[dict]) -> str:
                 f"word embedding 30522x768 r=32, {r['tokens']} Zipf tokens ({r['distinct_per_batch']:.0f} distinct), "
                 f"fwd+bwd+AdamW: dense {r['dense_ms']:.1f} ms | TT {r['tt_ms']:.1f} ms | naive per-row TT "
                 f"{r['naive_ms']:.1f} ms -> {r['speedup_vs_naive']:.2f}x vs naive, {r['speedup_vs_dense']:.2f}x vs "
-                f"dense ({r['compression']:.0f}x fewer parameters)\n  plan: {r['plan']}")
+                f"dense ({r['compression']:.0f}x fewer parameters; {r['threads']} thread(s))\n  plan: {r['plan']}")
         else:
             lines.append(
                 f"table 10M x 128 r=32 (dense {r['dense_table_mb']:.0f} MB), {r['tokens']} Zipf tokens, "
@@ -152,4 +168,10 @@ def format_rows(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    print(format_rows(run()))
+    import argparse
+
+    parser = argparse.ArgumentParser(description="TT embedding benchmarks")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
+    args = parser.parse_args()
+    print(format_rows(run(quick=args.quick, threads=args.threads or None)))
