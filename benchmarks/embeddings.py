@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.layers import TTEmbedding

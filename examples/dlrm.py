@@ -176,24 +176,27 @@ def _state_bytes(opts) -> int:
 
 def run(steps: int = 400, batch: int = 1024, seed: int = 0, quick: bool = False, tables: int = 8,
         dim: int = 16, rank: int = 16, largest: int = 10_000_000, smallest: int = 1_000, lr: float = 3e-3,
-        eval_samples: int = 50_000, progress: bool = True, threads: int | None = 1) -> dict:
+        eval_samples: int = 50_000, progress: bool = True, threads: int | None = 1,
+        tt_lr: float | None = 1e-2) -> dict:
     """Train the dense and the tensorized DLRM for the same steps on the same batches; every figure in a
     dict: compression, peak memory, median step times, held-out log-loss and AUC (and the teacher's).
 
     threads: torch intra-op threads while running (None keeps the current setting).  Default 1: every op
     of these models is small, and on a busy machine OpenMP threads waiting for each other make small ops
-    many times slower; both models run with the same setting."""
+    many times slower; both models run with the same setting.  lr: learning rate of the dense tables
+    (SparseAdam); tt_lr: of the TT cores (None: lr), higher, as CoMERA gives cores a higher rate."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _run(steps, batch, seed, quick, tables, dim, rank, largest, smallest, lr, eval_samples, progress)
+        return _run(steps, batch, seed, quick, tables, dim, rank, largest, smallest, lr,
+                    lr if tt_lr is None else tt_lr, eval_samples, progress)
     finally:
         torch.set_num_threads(before)
 
 
 def _run(steps: int, batch: int, seed: int, quick: bool, tables: int, dim: int, rank: int, largest: int,
-         smallest: int, lr: float, eval_samples: int, progress: bool) -> dict:
+         smallest: int, lr: float, tt_lr: float, eval_samples: int, progress: bool) -> dict:
     if quick:
         steps, batch, tables, largest, eval_samples = min(steps, 120), min(batch, 512), min(tables, 5), \
             min(largest, 1_000_000), min(eval_samples, 20_000)
@@ -217,7 +220,7 @@ def _run(steps: int, batch: int, seed: int, quick: bool, tables: int, dim: int, 
     dense_opts = [torch.optim.SparseAdam(dense_tables, lr=lr), torch.optim.AdamW(dense_mlp, lr=1e-3, fused=True)]
     tt_tables = [p for t in tt.tables for p in t.parameters()]
     tt_mlp = [p for n, p in tt.named_parameters() if not n.startswith("tables.")]
-    tt_opts = [torch.optim.AdamW(tt_tables, lr=lr, weight_decay=0.0, fused=True),
+    tt_opts = [torch.optim.AdamW(tt_tables, lr=tt_lr, weight_decay=0.0, fused=True),
                torch.optim.AdamW(tt_mlp, lr=1e-3, fused=True)]
 
     def train_step(model, opts, data):
