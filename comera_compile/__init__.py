@@ -4,7 +4,7 @@ Public API only; see README.md for a quick start.
 """
 
 from comera_compile.backend import comera_backend, compile_step, register as _register_backend
-from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
 from comera_compile.memory import peak_bytes, saved_bytes
 from comera_compile.passes.memory import tempo
 from comera_compile.rank_adaptive import RankAdaptive, param_groups
@@ -19,6 +19,7 @@ _register_backend()
 __all__ = [
     "TTLinear",
     "TTEmbedding",
+    "TTEmbeddingBag",
     "TTSpec",
     "make_spec",
     "tensorize",

@@ -1,4 +1,5 @@
-"""Rewrite a model's dense layers (nn.Linear, nn.Embedding, transformers' Conv1D) into TT layers.
+"""Rewrite a model's dense layers (nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers' Conv1D) into TT
+layers.
 
 Where torch.fx can trace the model the result is a GraphModule whose chosen layers are TT-layer
 call_module nodes (``print(gm.code)`` shows the graph); where it cannot (transformers models, Python
@@ -18,7 +19,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from comera_compile.layers import TTEmbedding, TTLayer, TTLinear
+from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLayer, TTLinear
 
 __all__ = ["tensorize", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
 
@@ -84,6 +85,8 @@ def _kind(mod: nn.Module) -> str | None:
         return "linear"
     if isinstance(mod, nn.Embedding):
         return "embedding"
+    if isinstance(mod, nn.EmbeddingBag):
+        return "embedding_bag"
     if _is_conv1d(mod):
         return "conv1d"
     return None
@@ -97,7 +100,7 @@ def _dims(mod: nn.Module, kind: str) -> tuple[int, int]:
     return mod.num_embeddings, mod.embedding_dim
 
 
-def _unsupported_embedding_options(mod: nn.Embedding) -> list[str]:
+def _unsupported_embedding_options(mod: nn.Embedding | nn.EmbeddingBag) -> list[str]:
     opts = []
     if mod.max_norm is not None:
         opts.append("max_norm")
@@ -151,6 +154,10 @@ def _build(mod: nn.Module, kind: str, rank, shape: LayerShape | None, init: str,
         if kind == "embedding":
             return TTEmbedding.from_dense(mod.weight, mod.padding_idx, rank=r, row_modes=in_modes,
                                           col_modes=out_modes, d=d, init=init)
+        if kind == "embedding_bag":
+            return TTEmbeddingBag.from_dense(mod.weight, mod.padding_idx, mode=mod.mode,
+                                             include_last_offset=mod.include_last_offset, rank=r,
+                                             row_modes=in_modes, col_modes=out_modes, d=d, init=init)
         return TTLinear.from_dense(mod.weight, mod.bias, rank=r, in_modes=in_modes, out_modes=out_modes,
                                    d=d, init=init, transposed=kind == "conv1d")
     except (ValueError, TypeError) as e:
@@ -259,7 +266,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
                 m = modules[p]
                 what = "already a TT layer" if isinstance(m, TTLayer) else "not a layer tensorize can rewrite"
                 raise TensorizeError(f"include names {p!r}, a {type(m).__name__}: {what}; tensorize rewrites "
-                                     f"nn.Linear, nn.Embedding and transformers' Conv1D")
+                                     f"nn.Linear, nn.Embedding, nn.EmbeddingBag and transformers' Conv1D")
 
     # Every name under which each module object is registered (a module reused twice is replaced twice).
     names_of: dict[int, list[str]] = {}
@@ -289,12 +296,13 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
             reason = f"no shape for {dims} in the preset"
         elif shape is None and min(dims) < min_features:
             reason = f"smaller than min_features={min_features}"
-        elif kind == "embedding" and _unsupported_embedding_options(mod):
+        elif kind in ("embedding", "embedding_bag") and _unsupported_embedding_options(mod):
             opts = _unsupported_embedding_options(mod)
+            cls, tt_cls = type(mod).__name__, "TTEmbedding" if kind == "embedding" else "TTEmbeddingBag"
             if explicit:
-                raise TensorizeError(f"cannot tensorize {name!r}: nn.Embedding options {opts} are not "
-                                     f"supported by TTEmbedding; exclude it or drop those options")
-            reason = f"uses {', '.join(opts)}, which TTEmbedding does not support"
+                raise TensorizeError(f"cannot tensorize {name!r}: nn.{cls} options {opts} are not "
+                                     f"supported by {tt_cls}; exclude it or drop those options")
+            reason = f"uses {', '.join(opts)}, which {tt_cls} does not support"
         elif len(owners.get(id(mod.weight), ())) > 1:
             sharers = sorted(n for n2, m2 in model.named_modules() if id(m2) in owners[id(mod.weight)]
                              for n in [n2] if n)

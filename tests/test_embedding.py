@@ -1,0 +1,410 @@
+"""Tests of the fast TT embedding lookup (distinct rows, planned core merging), TTEmbeddingBag, the
+EmbeddingBag rewrite of tensorize, the no-dense-table guarantee and the DLRM example.
+
+References are computed another way than the code under test: the dense table from to_dense() (itself
+checked against an independent reconstruction in test_layers.py) through F.embedding / F.embedding_bag, in
+float64; nn.Embedding / nn.EmbeddingBag for errors; torch.autograd.gradcheck.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import comera_compile as cc
+from comera_compile import network as nw
+from comera_compile.layers import TTEmbedding, TTEmbeddingBag
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FULL = 10**9
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).norm()) / max(float(ref.norm()), 1e-300)
+
+
+def perturb_gates(layer: TTEmbedding, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for gate in layer.gates:
+            gate.copy_(0.5 + torch.rand(gate.shape, generator=g, dtype=torch.float64).to(gate.dtype))
+
+
+def grads_vs_dense(layer: TTEmbedding, out: torch.Tensor, ref_fn) -> float:
+    """Largest relative error of the core and gate gradients of sum(out * w) against the same loss on the
+    dense table rebuilt by to_dense() (ref_fn maps the table to the reference output)."""
+    w = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(7))
+    params = list(layer.cores) + list(layer.gates)
+    got = torch.autograd.grad((out * w).sum(), params, allow_unused=True)
+    want = torch.autograd.grad((ref_fn(layer.to_dense()) * w).sum(), params, allow_unused=True)
+    errs = []
+    for g, r in zip(got, want):
+        g = torch.zeros_like(params[0]) if g is None and r is None else g
+        if r is None or float(r.norm()) == 0:
+            errs.append(0.0 if g is None else float(g.abs().max()))
+        else:
+            errs.append(rel_err(g, r))
+    return max(errs)
+
+
+def layer64(vocab, dim, d, rank, padding_idx=None, cls=TTEmbedding, **kw) -> TTEmbedding:
+    torch.manual_seed(vocab * 31 + dim)
+    layer = cls(vocab, dim, padding_idx=padding_idx, rank=rank, d=d, dtype=torch.float64, **kw)
+    perturb_gates(layer)
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lookups and gradients against the dense table
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vocab=st.integers(1, 3000), dim=st.integers(1, 40), d=st.integers(1, 4), rank=st.integers(1, 6),
+       n=st.integers(0, 300), distinct=st.integers(1, 50), lead=st.sampled_from(["flat", "2d"]),
+       use_padding=st.booleans(), int32=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_lookup_and_gradients_match_dense_table(vocab, dim, d, rank, n, distinct, lead, use_padding, int32, seed):
+    g = torch.Generator().manual_seed(seed)
+    padding_idx = int(torch.randint(0, vocab, (1,), generator=g)) if use_padding else None
+    layer = layer64(vocab, dim, d, rank, padding_idx)
+    pool = torch.randint(0, vocab, (distinct,), generator=g)  # few distinct ids: many repeats
+    idx = pool[torch.randint(0, distinct, (n,), generator=g)]
+    if padding_idx is not None and n:
+        idx[0] = padding_idx
+    if lead == "2d" and n % 2 == 0:
+        idx = idx.reshape(2, n // 2)
+    if int32:
+        idx = idx.int()
+    out = layer(idx)
+    assert out.shape == (*idx.shape, dim) and out.dtype == torch.float64
+    ref = F.embedding(idx, layer.to_dense())
+    assert rel_err(out, ref) < 1e-10 or float(ref.norm()) == float(out.norm()) == 0
+    if padding_idx is not None:
+        assert torch.all(out[idx == padding_idx] == 0)
+    assert grads_vs_dense(layer, layer(idx), lambda w: F.embedding(idx, w)) < 1e-10
+
+
+SPECS = [
+    dict(vocab=30522, dim=48, row_modes=(16, 20, 10, 10), col_modes=(2, 2, 4, 3), rank=5),
+    dict(vocab=997, dim=30, row_modes=(10, 10, 10), col_modes=(2, 3, 5), rank=4),
+    dict(vocab=50, dim=8, row_modes=(5, 10), col_modes=(2, 4), rank=3),
+    dict(vocab=4096, dim=16, row_modes=(4, 4, 4, 4, 4, 4), col_modes=(2, 2, 2, 2, 1, 1), rank=3),
+]
+
+
+@pytest.mark.parametrize("cfg", SPECS, ids=lambda c: f"{c['vocab']}x{c['dim']}")
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_every_candidate_plan_matches_dense_table(cfg, rows):
+    # Whatever the planner picks, every grouping and every way of running a pair must be exact.
+    torch.manual_seed(0)
+    layer = TTEmbedding(cfg["vocab"], cfg["dim"], rank=cfg["rank"], row_modes=cfg["row_modes"],
+                        col_modes=cfg["col_modes"], dtype=torch.float64)
+    perturb_gates(layer)
+    idx = torch.randint(0, cfg["vocab"], (rows,))
+    candidates = nw._lookup_candidates(layer.spec, rows, True, True)
+    hows = {how for c in candidates for _, _, how in c.groups}
+    # a two-core table would be the dense table itself: only offered when it merges part of the cores
+    assert hows == ({"rows", "table", "dedupe"} if len(cfg["row_modes"]) > 2 else {"rows", "dedupe"})
+    for plan in candidates:
+        out = layer._rows(idx, plan.groups, plan.program)
+        assert rel_err(out, layer.to_dense().index_select(0, idx).detach()) < 1e-10, plan.describe()
+        err = grads_vs_dense(layer, out, lambda w: w.index_select(0, idx))
+        assert err < 1e-10, plan.describe()
+
+
+def test_pair_products_in_chunks_gradcheck(monkeypatch):
+    from comera_compile.layers import _PairRows
+
+    monkeypatch.setattr(_PairRows, "CHUNK_ELEMENTS", 7)  # one row per chunk: every chunk boundary exercised
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(5, 3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(6, 4, 2, dtype=torch.float64, generator=g, requires_grad=True)
+    ia, ib = torch.tensor([0, 4, 4, 1, 0]), torch.tensor([5, 5, 0, 2, 5])
+    ref = torch.bmm(a.detach()[ia], b.detach()[ib])
+    assert torch.allclose(_PairRows.apply(a, b, ia, ib), ref, rtol=0, atol=1e-14)
+    assert torch.autograd.gradcheck(lambda x, y: _PairRows.apply(x, y, ia, ib), (a, b))
+
+
+def test_gradcheck_lookup_with_repeats_and_padding():
+    layer = layer64(40, 6, 3, 3, padding_idx=5)
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_(True) for p in layer.parameters())
+    idx = torch.tensor([[5, 1, 1, 39], [7, 7, 7, 0]])
+
+    def f(*p):
+        return torch.func.functional_call(layer, dict(zip(names, p)), (idx,))
+
+    assert torch.autograd.gradcheck(f, params)
+
+
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_empty_batch_matches_nn_embedding(shape):
+    layer = layer64(100, 5, 2, 3, padding_idx=2)
+    idx = torch.zeros(shape, dtype=torch.long)
+    out = layer(idx)
+    assert out.shape == nn.Embedding(100, 5)(idx).shape
+    out.sum().backward()
+    assert all(c.grad is not None and not c.grad.any() for c in layer.cores)
+
+
+@pytest.mark.parametrize("bad", [100, 127, 128, 10**6, -1, -100])
+def test_out_of_range_gives_nn_embedding_error(bad):
+    layer = TTEmbedding(100, 5, rank=3, row_modes=(8, 16), col_modes=(5, 1))  # 128 rows internally
+    idx = torch.tensor([[0, 5], [bad, 1]])
+    with pytest.raises(IndexError) as want:
+        nn.Embedding(100, 5)(idx)
+    with pytest.raises(IndexError) as got:
+        layer(idx)
+    assert str(got.value) == str(want.value)
+
+
+def test_float_indices_rejected():
+    with pytest.raises(TypeError, match="integer indices"):
+        TTEmbeddingBag(10, 4, rank=2)(torch.tensor([1.0]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TTEmbeddingBag against F.embedding_bag on the dense table
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mode=st.sampled_from(["sum", "mean", "max"]), vocab=st.integers(2, 2000), dim=st.integers(1, 24),
+       d=st.integers(1, 3), bags=st.integers(0, 12), use_padding=st.booleans(), weights=st.booleans(),
+       last=st.booleans(), form=st.sampled_from(["offsets", "2d"]), seed=st.integers(0, 2**31 - 1))
+def test_embedding_bag_matches_dense(mode, vocab, dim, d, bags, use_padding, weights, last, form, seed):
+    g = torch.Generator().manual_seed(seed)
+    padding_idx = int(torch.randint(0, vocab, (1,), generator=g)) if use_padding else None
+    layer = layer64(vocab, dim, d, 3, padding_idx, cls=TTEmbeddingBag, mode=mode,
+                    include_last_offset=last and form == "offsets")
+    pool = torch.randint(0, vocab, (5,), generator=g)
+    if form == "offsets":
+        sizes = torch.randint(0, 5, (bags,), generator=g)  # empty bags included
+        n = int(sizes.sum())
+        inp = pool[torch.randint(0, 5, (n,), generator=g)]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+        if not layer.include_last_offset:
+            offsets = offsets[:-1]
+    else:
+        inp = pool[torch.randint(0, 5, (bags, 3), generator=g)]
+        offsets = None
+    if padding_idx is not None and inp.numel():
+        inp.view(-1)[0] = padding_idx
+    psw = torch.rand(inp.shape, generator=g, dtype=torch.float64) if weights and mode == "sum" else None
+
+    def ref(w):
+        return F.embedding_bag(inp, w, offsets, mode=mode, per_sample_weights=psw,
+                               include_last_offset=layer.include_last_offset, padding_idx=padding_idx)
+
+    out = layer(inp, offsets, psw)
+    want = ref(layer.to_dense())
+    assert out.shape == want.shape
+    assert rel_err(out, want) < 1e-10 or float(want.norm()) == float(out.norm()) == 0
+    assert grads_vs_dense(layer, layer(inp, offsets, psw), ref) < 1e-10
+
+
+def test_embedding_bag_gradcheck_per_sample_weights():
+    layer = layer64(30, 4, 2, 2, padding_idx=3, cls=TTEmbeddingBag, mode="sum")
+    names = [n for n, _ in layer.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_(True) for p in layer.parameters())
+    inp, off = torch.tensor([3, 1, 1, 29, 7, 7]), torch.tensor([0, 2, 2])
+    psw = torch.rand(6, dtype=torch.float64, requires_grad=True)
+
+    def f(w, *p):
+        return torch.func.functional_call(layer, dict(zip(names, p)), (inp, off, w))
+
+    assert torch.autograd.gradcheck(f, (psw, *params))
+
+
+def test_embedding_bag_errors_mirror_nn_embedding_bag():
+    ref, tt = nn.EmbeddingBag(100, 4, mode="sum"), TTEmbeddingBag(100, 4, mode="sum", rank=3)
+    for inp, off in [(torch.tensor([1, 100]), torch.tensor([0])), (torch.tensor([-1, 2]), torch.tensor([0]))]:
+        with pytest.raises(RuntimeError) as want:
+            ref(inp, off)
+        with pytest.raises(RuntimeError) as got:  # also an IndexError, as TTEmbedding raises
+            tt(inp, off)
+        assert isinstance(got.value, IndexError) and str(got.value) == str(want.value)
+    for inp, off, psw in [(torch.tensor([1, 2]), torch.tensor([1]), None),      # offsets must start at 0
+                          (torch.tensor([[1, 2]]), torch.tensor([0]), None),     # 2-D input takes no offsets
+                          (torch.tensor([1, 2]), None, None)]:                   # 1-D input needs offsets
+        with pytest.raises((RuntimeError, ValueError)) as want:
+            ref(inp, off, psw)
+        with pytest.raises(type(want.value)):
+            tt(inp, off, psw)
+    with pytest.raises(NotImplementedError):
+        TTEmbeddingBag(10, 4, mode="mean", rank=2)(torch.tensor([1]), torch.tensor([0]), torch.ones(1))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        TTEmbeddingBag(10, 4, mode="median")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tensorize rewrites nn.EmbeddingBag
+
+
+class _Recommender(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = nn.EmbeddingBag(1000, 64, mode="sum", padding_idx=0)
+        self.items = nn.EmbeddingBag(500, 64, mode="mean")
+        self.tags = nn.EmbeddingBag(300, 64, mode="max", include_last_offset=True)
+        self.lookup = nn.Embedding(200, 64)
+
+    def forward(self, u, uo, w, i, t, to, e):
+        return self.users(u, uo, per_sample_weights=w) + self.items(i) + self.tags(t, to) + self.lookup(e)
+
+
+def _recommender_inputs():
+    g = torch.Generator().manual_seed(0)
+    u, uo = torch.randint(0, 1000, (9,), generator=g), torch.tensor([0, 4, 4])
+    w = torch.rand(9, generator=g, dtype=torch.float64)
+    i = torch.randint(0, 500, (3, 2), generator=g)
+    t, to = torch.randint(0, 300, (7,), generator=g), torch.tensor([0, 1, 5, 7])
+    e = torch.randint(0, 200, (3,), generator=g)
+    return u, uo, w, i, t, to, e
+
+
+@pytest.mark.parametrize("trace", [True, False])
+def test_tensorize_rewrites_embedding_bags_exactly_at_full_rank(trace):
+    torch.manual_seed(0)
+    model = _Recommender().double()
+    tt = cc.tensorize(model, rank=FULL, init="svd", trace=trace)
+    for name, mode in (("users", "sum"), ("items", "mean"), ("tags", "max")):
+        layer = tt.get_submodule(name)
+        assert isinstance(layer, TTEmbeddingBag) and layer.mode == mode
+        assert "TTEmbeddingBag" in tt.comera_summary.rewritten[name]
+    assert tt.tags.include_last_offset and tt.users.padding_idx == 0
+    args = _recommender_inputs()
+    assert rel_err(tt(*args), model(*args)) < 1e-10
+
+
+def test_tensorize_keeps_unsupported_bags_dense_and_says_why():
+    model = nn.Sequential()
+    model.add_module("sparse", nn.EmbeddingBag(1000, 64, sparse=True))
+    before = copy.deepcopy(model.state_dict())
+    tt = cc.tensorize(model)
+    assert "sparse" in tt.comera_summary.kept_dense["sparse"]
+    with pytest.raises(cc.TensorizeError, match="EmbeddingBag options"):
+        cc.tensorize(model, include="sparse")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Never a dense table
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the bytes of the largest storage any aten op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.what = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                nbytes = t.untyped_storage().nbytes()
+                if nbytes > self.largest:
+                    self.largest, self.what = nbytes, f"{func} -> {tuple(t.shape)}"
+        return out
+
+
+@pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag])
+def test_no_table_sized_tensor_is_ever_allocated(cls):
+    vocab, dim = 10**6, 128
+    torch.manual_seed(0)
+    layer = cls(vocab, dim, rank=16, row_modes=(100, 100, 100), col_modes=(8, 4, 4))
+    opt = torch.optim.AdamW(layer.parameters())
+    g = torch.Generator().manual_seed(0)
+    table_bytes = vocab * dim * 4
+    for n in (1, 64, 4096, 20000):  # the plan changes with the batch: rows, dedupe, merged tables
+        idx = torch.randint(0, vocab, (n,), generator=g)
+        with _LargestAllocation() as mode:
+            out = layer(idx) if cls is TTEmbedding else layer(idx.reshape(n, 1))
+            out.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        # The largest tensor of a step is of the batch's size (a few times its output) or a merged-pair
+        # table, never of the table's (512 MB).
+        assert mode.largest <= max(4 * n * dim * 4, 16 * 2**20), (n, mode.what)
+        assert mode.largest < table_bytes / 10, (n, mode.what)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The planner
+
+
+def test_planner_merges_pairs_for_big_batches_and_gathers_rows_for_small_ones():
+    spec = cc.make_spec("ttm", 30522, 768, 32, (16, 20, 10, 10), (4, 4, 8, 6))
+    small, big = nw.plan_ttm_lookup(spec, 1), nw.plan_ttm_lookup(spec, 4096)
+    assert {how for _, _, how in big.groups} == {"table"}  # 320- and 100-row merged tables
+    assert "table" not in {how for _, _, how in small.groups}
+    # forward FLOPs of the merged-table plan, counted by hand: two table GEMMs and one batched product
+    tables = 2 * (16 * 20) * (1 * 4 * 32) * (4 * 32) + 2 * (10 * 10) * (32 * 8 * 32) * (6 * 1)
+    assert big.flops == tables + 2 * 4096 * 16 * 32 * 48
+
+
+def test_planner_never_merges_all_cores_into_one_table():
+    spec = cc.make_spec("ttm", 100, 8, 50, (10, 10), (2, 4))
+    for rows in (1, 100, 10**6):
+        for plan in nw._lookup_candidates(spec, rows, True, True):
+            assert plan.groups != ((0, 2, "table"),)
+
+
+def test_compile_path_needs_no_unique_and_matches_eager():
+    layer = layer64(500, 12, 3, 3, padding_idx=4, cls=TTEmbeddingBag, mode="mean")
+    inp, off = torch.tensor([4, 1, 1, 499, 7, 7, 7]), torch.tensor([0, 3, 3])
+    eager = layer(inp, off)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    assert rel_err(compiled(inp, off), eager) < 1e-12
+    emb = layer64(500, 12, 3, 3, padding_idx=4)
+    assert rel_err(torch.compile(emb, backend="aot_eager", fullgraph=True)(inp), emb(inp)) < 1e-12
+
+
+def test_plans_are_cached_per_bucket():
+    spec = cc.make_spec("ttm", 5000, 32, 4, (50, 100), (4, 8))
+    assert nw.lookup_bucket(1000) == nw.lookup_bucket(1010) >= 1010
+    assert nw.lookup_bucket(5) == 5
+    assert all(nw.lookup_bucket(n) >= n for n in range(1, 5000, 37))
+    assert nw.lookup_bucket(4000) < 1.5 * 4000
+    assert nw.plan_ttm_lookup(spec, 1024) is nw.plan_ttm_lookup(spec, 1024)
+    assert math.isfinite(nw.plan_ttm_lookup(spec, 1024).cost)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The DLRM example
+
+
+def test_auc_matches_pair_counting():
+    from comera_compile.examples.dlrm import auc
+
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 6, (200,), generator=g).double()  # many ties
+    labels = torch.rand(200, generator=g) < 0.3
+    pos, neg = scores[labels], scores[~labels]
+    wins = (pos[:, None] > neg[None, :]).double() + 0.5 * (pos[:, None] == neg[None, :]).double()
+    assert abs(auc(scores, labels.float()) - float(wins.mean())) < 1e-12
+
+
+def test_dlrm_example_smoke():
+    from comera_compile.examples import dlrm
+
+    r = dlrm.run(steps=6, batch=64, tables=3, smallest=100, largest=30_000, dim=8, rank=4, eval_samples=2000,
+                 progress=False)
+    sizes = dlrm.table_sizes(3, 100, 30_000)
+    assert r["tt_tables"] == [k for k, n in enumerate(sizes) if n >= dlrm.TT_MIN_ROWS] == [2]
+    assert r["embedding_params_dense"] == sum(sizes) * 8
+    assert r["compression"] > 1 and r["peak_memory_ratio"] > 1
+    for key in ("dense_auc", "tt_auc", "teacher_auc", "dense_logloss", "tt_logloss", "dense_step_ms", "tt_step_ms"):
+        assert math.isfinite(r[key]), key
+    assert 0.5 < r["teacher_auc"] <= 1
