@@ -106,7 +106,7 @@ def explain(model: nn.Module, rows: int = 1024, tau: float = DEFAULT_TAU) -> Exp
         if not isinstance(mod, TTLayer):
             continue
         s = mod.spec
-        kind = "TTEmbedding" if isinstance(mod, TTEmbedding) else "TTLinear"
+        kind = type(mod).__name__
         contraction = () if isinstance(mod, TTEmbedding) else mod.plan(rows).equations
         table.append(LayerRow(
             name=name, kind=kind, dense_shape=(s.in_features, s.out_features), in_modes=s.in_modes,
