@@ -1,4 +1,5 @@
-"""The `comera-compile` command line: inspect a model's TT rewrite; run the benchmark suite."""
+"""The `comera-compile` command line: train dense vs CoMERA side by side (demo), inspect a model's TT rewrite,
+run the benchmark suite."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import importlib
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -71,9 +73,58 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from comera_compile.examples import code_mlm
+
+    cfg = code_mlm.DemoConfig(
+        data=args.data, out=args.out, size=args.size, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
+        vocab_size=args.vocab_size, rank=args.rank, seed=args.seed, max_bytes=args.max_bytes,
+        compile=not args.no_compile, dense_backend=args.dense_backend, progress=not args.no_progress)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"comera-compile demo: --threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    try:
+        code_mlm.run(cfg)
+    except code_mlm.DemoError as e:
+        raise SystemExit(f"comera-compile demo: {e}") from e
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="comera-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="masked-language-model pretraining on code, dense vs CoMERA side by side",
+                       description="Train a BERT-like encoder on masked-language modelling of code twice -- dense, "
+                                   "and CoMERA-style (tensorize + RankAdaptive + backend 'comera') -- and write a "
+                                   "table, a plot and a JSON of every figure to runs/<timestamp>/.")
+    from comera_compile.examples.code_mlm import SIZES, DemoConfig
+
+    defaults = DemoConfig()
+    d.add_argument("--data", type=Path, default=None, metavar="DIR",
+                   help="folder of text or code files (default: the Python standard library's *.py files)")
+    d.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="output directory (default: runs/<YYYYmmdd-HHMMSS> under the current directory)")
+    d.add_argument("--size", choices=list(SIZES), default=defaults.size,
+                   help="model size: " + "; ".join(f"{k}: d_model {v.d_model}, {v.layers} layers, FFN {v.ffn}, "
+                                                   f"rank {v.rank}" for k, v in SIZES.items())
+                        + f" (default {defaults.size})")
+    d.add_argument("--steps", type=int, default=defaults.steps, help=f"training steps per model (default {defaults.steps})")
+    d.add_argument("--batch", type=int, default=defaults.batch, help=f"sequences per step (default {defaults.batch})")
+    d.add_argument("--seq-len", type=int, default=defaults.seq_len, help=f"tokens per sequence (default {defaults.seq_len})")
+    d.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
+                   help=f"BPE vocabulary trained on the data (default {defaults.vocab_size})")
+    d.add_argument("--rank", type=int, default=None, help="initial TT rank of the CoMERA encoder (default: the size's)")
+    d.add_argument("--seed", type=int, default=defaults.seed, help=f"seed of split, init, data order, masks (default {defaults.seed})")
+    d.add_argument("--max-bytes", type=int, default=defaults.max_bytes,
+                   help=f"training text read, in bytes (default {defaults.max_bytes:,})")
+    d.add_argument("--threads", type=int, default=1,
+                   help="intra-op CPU threads (default 1: on a small shared machine more threads stall each other)")
+    d.add_argument("--dense-backend", choices=("inductor", "eager"), default=defaults.dense_backend,
+                   help=f"how the dense encoder runs (default {defaults.dense_backend}: torch.compile per layer)")
+    d.add_argument("--no-compile", action="store_true",
+                   help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars")
     p = sub.add_parser("inspect", help="tensorize a model and print its rewritten graph and layer table")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--example", choices=EXAMPLES, help="a built-in example model")
@@ -93,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _inspect(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "demo":
+        return _demo(args)
     return 2
 
 
