@@ -121,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--threads", type=int, default=1,
                    help="intra-op CPU threads (default 1: on a small shared machine more threads stall each other)")
     d.add_argument("--dense-backend", choices=("inductor", "eager"), default=defaults.dense_backend,
-                   help=f"how the dense encoder runs (default {defaults.dense_backend}: torch.compile per layer)")
+                   help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "
+                        f"(default {defaults.dense_backend})")
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
