@@ -621,7 +621,6 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     out = Path(cfg.out) if cfg.out is not None else default_out_dir()
     if out.exists() and not out.is_dir():
         raise DemoError(f"--out {str(out)!r} is a file; give a directory (created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
     data, corpus, corpus_info = prepare_data(cfg, log)
     dense, tt = build_models(cfg, data.vocab_size)
     dense_encoder, dense_total = encoder_params(dense), total_params(dense)
@@ -641,6 +640,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         "runs": runs,
         "wall_time_s": time.perf_counter() - t_start,
     }
+    out.mkdir(parents=True, exist_ok=True)
     paths = {"table": out / "table.md", "plot": out / "loss_compression.png", "json": out / "results.json"}
     result["files"] = {k: str(v) for k, v in paths.items()}
     table = format_table(result)

@@ -175,6 +175,7 @@ def test_too_little_text_for_one_batch(tmp_path):
     cfg = DemoConfig(data=tmp_path / "data", out=tmp_path / "out", size="tiny", steps=1, batch=64, progress=False)
     with pytest.raises(DemoError, match="fewer than one batch"):
         code_mlm.run(cfg, log=lambda s: None)
+    assert not (tmp_path / "out").exists()  # nothing written for a run that could not start
 
 
 # -- a whole run -------------------------------------------------------------------------------------------
@@ -234,7 +235,7 @@ def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
 
 @pytest.mark.slow
 def test_demo_compiled_with_backend_comera(tmp_path):
-    result = _run_cli(tmp_path)
+    result = _run_cli(tmp_path, "--dense-backend", "inductor")
     assert "comera" in result["runs"]["comera"]["execution"]
     assert "inductor" in result["runs"]["dense"]["execution"]
     _check_figures(result)
