@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.comera-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-slow inspect bench bench-quick clean
+.PHONY: install test test-slow demo inspect bench bench-quick clean
 
 install: $(STAMP)
 
@@ -20,6 +20,9 @@ test: $(STAMP)
 
 test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
 	$(PY) -m pytest -m slow -q || test $$? -eq 5
+
+demo: $(STAMP)
+	$(VENV)/bin/comera-compile demo
 
 inspect: $(STAMP)
 	$(VENV)/bin/comera-compile inspect --example six-encoder
