@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import random
 import statistics
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
