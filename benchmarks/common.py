@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["Measurement", "compare"]
+__all__ = ["Measurement", "compare", "format_flat_rows"]
 
 
 @dataclass
@@ -41,3 +41,10 @@ def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: 
                     break
             out[name].samples.append(elapsed / n)
     return out
+
+
+def format_flat_rows(rows: list[dict]) -> str:
+    """One line per row: its 'benchmark' name, then every other figure as "key value"."""
+    return "\n".join(f"{r['benchmark']}: " + ", ".join(
+        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in r.items() if k != "benchmark")
+        for r in rows)

@@ -26,7 +26,7 @@ import comera_compile as cc
 from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes, storage_key
 
-from .common import compare
+from .common import compare, format_flat_rows as format_rows
 
 __all__ = ["run", "format_rows", "galore_optimizer", "persistent_bytes"]
 
@@ -113,14 +113,6 @@ def run(quick: bool = False, seq: int = 128) -> list[dict]:
         "CoMERA memory reduction vs GaLore": mem["GaLore"] / mem["CoMERA"],
         "first compile s (CoMERA)": compile_s,
     }]
-
-
-def format_rows(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        lines.append(f"{r['benchmark']}: " + ", ".join(
-            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in r.items() if k != "benchmark"))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

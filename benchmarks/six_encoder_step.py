@@ -13,7 +13,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 
-from .common import compare
+from .common import compare, format_flat_rows as format_rows
 
 __all__ = ["run", "format_rows"]
 
@@ -67,14 +67,6 @@ def run(quick: bool = False, batch: int = 8, seq: int = 128, layers: int | None 
         "tensorized params": sum(p.numel() for p in tt.parameters()),
         **{f"first compile s ({k})": v for k, v in compile_s.items()},
     }]
-
-
-def format_rows(rows: list[dict]) -> str:
-    lines = []
-    for r in rows:
-        lines.append(f"{r['benchmark']}: " + ", ".join(
-            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in r.items() if k != "benchmark"))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

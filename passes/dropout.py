@@ -86,7 +86,7 @@ class HashDropout(nn.Dropout):
         return hash_dropout(input, self.p, self.training, self.inplace)
 
 
-_FUNCTIONAL = (F.dropout, torch.dropout, torch.nn.functional.dropout)
+_FUNCTIONAL = (F.dropout, torch.dropout)
 
 
 def fast_dropout(gm: torch.fx.GraphModule) -> int:
