@@ -129,13 +129,12 @@ def _big_table(quick: bool) -> dict:
     }
 
 
-def run(quick: bool = False, threads: int | None = 1) -> list[dict]:
+def run(quick: bool = False, threads: int | None = None) -> list[dict]:
     """Rows of figures (medians, each baseline timed in the same run, interleaved).
 
     threads: torch intra-op threads for every case, baselines included (None keeps the current setting).
-    Default 1: on a small machine shared with other work, OpenMP threads waiting for a descheduled peer make
-    ops many times slower at random (index_add_ 0.4 ms on one thread, 90 ms on two), which no median
-    repairs; one thread measures the code, not the scheduler."""
+    On a machine busy with other work, 1 gives steadier figures: OpenMP threads waiting for a descheduled
+    peer make small ops many times slower at random, which no median repairs."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -171,6 +170,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="TT embedding benchmarks")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default 0: torch's own setting)")
     args = parser.parse_args()
     print(format_rows(run(quick=args.quick, threads=args.threads or None)))

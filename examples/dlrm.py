@@ -176,14 +176,14 @@ def _state_bytes(opts) -> int:
 
 def run(steps: int = 400, batch: int = 1024, seed: int = 0, quick: bool = False, tables: int = 8,
         dim: int = 16, rank: int = 16, largest: int = 10_000_000, smallest: int = 1_000, lr: float = 3e-3,
-        eval_samples: int = 50_000, progress: bool = True, threads: int | None = 1,
+        eval_samples: int = 50_000, progress: bool = True, threads: int | None = None,
         tt_lr: float | None = 1e-2) -> dict:
     """Train the dense and the tensorized DLRM for the same steps on the same batches; every figure in a
     dict: compression, peak memory, median step times, held-out log-loss and AUC (and the teacher's).
 
-    threads: torch intra-op threads while running (None keeps the current setting).  Default 1: every op
-    of these models is small, and on a busy machine OpenMP threads waiting for each other make small ops
-    many times slower; both models run with the same setting.  lr: learning rate of the dense tables
+    threads: torch intra-op threads while running (None keeps the current setting); both models run with
+    the same setting.  On a busy machine 1 is steadier: every op of these models is small, and OpenMP
+    threads waiting for a descheduled peer make small ops many times slower.  lr: learning rate of the dense tables
     (SparseAdam); tt_lr: of the TT cores (None: lr), higher, as CoMERA gives cores a higher rate."""
     before = torch.get_num_threads()
     if threads is not None:
@@ -328,11 +328,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--quick", action="store_true", help="tables up to 1e6 rows, 120 steps of 512 (about 10 s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default 0: torch's own setting)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     r = run(steps=args.steps, batch=args.batch, seed=args.seed, quick=args.quick, tables=args.tables,
-            dim=args.dim, rank=args.rank, progress=not args.no_progress, threads=args.threads)
+            dim=args.dim, rank=args.rank, progress=not args.no_progress, threads=args.threads or None)
     print(format_results(r))
     return r
 
