@@ -51,15 +51,34 @@ def _mix64(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
+@torch.library.custom_op("comera::opaque_copy", mutates_args=())
+def _opaque_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy Inductor cannot see through.  hash_dropout passes its two random words through it so
+    Inductor keeps them in a 2-element buffer: it would otherwise inline the torch.randint into the
+    elementwise kernel and run Philox again for every vector of elements (three times the cost of the
+    whole mask)."""
+    return t.clone()
+
+
+@_opaque_copy.register_fake
+def _(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t)
+
+
+def _draw_words(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Two random words in [0, 2^30) from torch's generator, materialised (see _opaque_copy)."""
+    return _opaque_copy(torch.randint(0, 2**30, (2,), device=device, dtype=dtype))
+
+
 def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
     """Bool keep flags for n elements: element i is kept when mix(i * a + b) >= p * 2^32 (as 32-bit
     unsigned words), a odd and b drawn from torch's generator."""
     if n < _INT32_INDICES:
-        words = torch.randint(0, 2**30, (2,), device=device, dtype=torch.int32)
+        words = _draw_words(device, torch.int32)
         idx = torch.arange(n, device=device, dtype=torch.int32)
         h = _mix32(idx * (words[0] * 2 + 1) + words[1])
         return (h & 0x7FFFFFFF) >= round(p * 2**31)   # 31 of the 32 bits
-    words = torch.randint(0, 2**30, (2,), device=device, dtype=torch.int64)
+    words = _draw_words(device, torch.int64)
     idx = torch.arange(n, device=device, dtype=torch.int64) & _M32
     return _mix64((idx * (words[0] * 2 + 1) + words[1]) & _M32) >= round(p * 2**32)
 
