@@ -24,7 +24,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
     "fast_dropout": (True, "dropout masks from an integer hash of the element index computed inside Inductor's "
                            "kernels (passes.dropout) instead of a per-element draw from torch's generator: same "
-                           "distribution, different bits, several times cheaper"),
+                           "distribution, different bits, several times cheaper; the backward recomputes "
+                           "the masks from two saved words instead of saving them"),
     "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
@@ -54,7 +55,8 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     """The Inductor config patches the backend passes for inputs on these device types.
 
     CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps); the
-    torch.compile mode's own settings come first, options' 'inductor' patches last."""
+    torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
+    mask-recompute joint-graph pass is appended to any joint_custom_pre_pass already set."""
     opts = _check_options(options)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -63,6 +65,14 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
         patches.update(list_mode_options(mode))
     patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and "cuda" in devices)
     patches.update(opts["inductor"])
+    if opts["fast_dropout"]:
+        from torch._inductor import config as inductor
+
+        from comera_compile.passes.dropout import RecomputeHashMasks
+
+        user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
+        user = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
+        patches["joint_custom_pre_pass"] = [*user, RecomputeHashMasks()]
     return patches
 
 

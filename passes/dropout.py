@@ -20,8 +20,10 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["hash_dropout", "HashDropout", "fast_dropout"]
+__all__ = ["hash_dropout", "HashDropout", "fast_dropout", "recompute_hash_masks", "RecomputeHashMasks"]
 
 _M32 = 0xFFFFFFFF
 _INT32_INDICES = 2**31   # tensors with fewer elements hash in int32
@@ -81,6 +83,52 @@ def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
     words = _draw_words(device, torch.int64)
     idx = torch.arange(n, device=device, dtype=torch.int64) & _M32
     return _mix64((idx * (words[0] * 2 + 1) + words[1]) & _M32) >= round(p * 2**32)
+
+
+def _integral(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
+
+
+def recompute_hash_masks(graph: torch.fx.Graph) -> int:
+    """Tag the integer/bool nodes of every hash-dropout mask in a joint forward-backward graph
+    MUST_RECOMPUTE, so AOTAutograd's partitioner saves the two random words for the backward and
+    recomputes the mask there instead of saving it; returns how many nodes were tagged.
+
+    Recomputing costs a few integer operations per element inside a kernel the backward runs anyway; a
+    saved mask costs a byte per element of memory and, on CPU, Inductor's bool stores are slow (about
+    10 ns per element, several times the cost of the rest of the dropout's kernel)."""
+    words = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.comera.opaque_copy.default]
+    tagged: set[torch.fx.Node] = set()
+    todo = [u for w in words for u in w.users]
+    while todo:                                   # everything integral computed from the words
+        node = todo.pop()
+        if node in tagged or node.op != "call_function" or not _integral(node):
+            continue
+        tagged.add(node)
+        todo.extend(node.users)
+    todo = [a for n in tagged for a in n.all_input_nodes]
+    while todo:                                   # and the integral inputs beside them (the iota)
+        node = todo.pop()
+        if node in tagged or node.op != "call_function" or not _integral(node):
+            continue
+        if node.target is torch.ops.comera.opaque_copy.default:
+            continue
+        tagged.add(node)
+        todo.extend(node.all_input_nodes)
+    for node in tagged:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return len(tagged)
+
+
+class RecomputeHashMasks(CustomGraphPass):
+    """recompute_hash_masks as an Inductor joint-graph pass (config ``joint_custom_pre_pass``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        recompute_hash_masks(graph)
+
+    def uuid(self) -> str:
+        return "comera.passes.dropout.recompute_hash_masks/1"
 
 
 def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:

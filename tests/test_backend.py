@@ -113,6 +113,18 @@ def test_cuda_path_decisions_on_cpu():
         inductor_config({"cpu"}, None, {"cudagraphs": "yes"})
 
 
+def test_mask_recompute_pass_joins_the_users_joint_passes():
+    from comera_compile.passes.dropout import RecomputeHashMasks
+
+    def mine(graph):
+        pass
+
+    passes = inductor_config({"cpu"}, None, {"inductor": {"joint_custom_pre_pass": mine}})["joint_custom_pre_pass"]
+    assert passes[0] is mine and isinstance(passes[1], RecomputeHashMasks) and len(passes) == 2
+    off = inductor_config({"cpu"}, None, {"fast_dropout": False})
+    assert "joint_custom_pre_pass" not in off
+
+
 @pytest.mark.cuda
 def test_cuda_step_replays_as_cuda_graph():
     model = _tensorized_encoder().cuda()

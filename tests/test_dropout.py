@@ -87,12 +87,17 @@ def test_gradient_is_mask_times_scale(shape, p, dtype):
     torch.testing.assert_close(x.grad, expected)
 
 
-def test_compiled_masks_agree_between_forward_and_backward():
-    """Under Inductor the backward may recompute the mask: it must be the forward's mask."""
+@pytest.mark.parametrize("backend", ["inductor", "comera"])
+def test_compiled_masks_agree_between_forward_and_backward(backend):
+    """Under Inductor the backward may recompute the mask (under "comera" it always does): it must be
+    the forward's mask."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
     def f(x, w):
         return (hash_dropout(x, 0.25) * w).sum(), hash_dropout(x, 0.25)
 
-    cf = torch.compile(f, backend="inductor", fullgraph=True)
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend=backend, fullgraph=True)
     torch.manual_seed(0)
     x = (torch.rand(64, 33) + 1).requires_grad_()
     w = torch.randn(64, 33)
@@ -140,3 +145,55 @@ def test_backend_runs_the_pass_by_default(monkeypatch):
                       options={"fast_dropout": False})
     g(torch.ones(10))
     assert not calls
+
+
+def _saved_tensors(fn, *args):
+    """(dtype, numel) of every tensor autograd saves while fn runs."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return out, saved
+
+
+def test_backend_recomputes_the_masks_instead_of_saving_them():
+    """Under backend "comera" the backward of a small encoder recomputes its hash masks from the two
+    random words of each dropout (Inductor's default partitioning saves several bool masks here)."""
+    import comera_compile  # noqa: F401  (registers the backend)
+    from comera_compile.examples import six_encoder
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = six_encoder.build(layers=2, d_model=64, heads=4, ffn=256, vocab_size=100, max_positions=32)
+    ids, seg, mask = six_encoder.example_inputs(model, 2, 16)
+    f = torch.compile(lambda *a: model(*a).square().sum(), backend="comera")
+    loss, saved = _saved_tensors(f, ids, seg, mask)
+    assert not [s for s in saved if s[0] == torch.bool], saved
+    words = [numel for dtype, numel in saved if dtype == torch.int32]
+    assert words == [2] * (1 + 4 * 2), saved   # embedding dropout, four per layer
+    loss.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_recompute_pass_tags_only_the_mask_computation():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import must_recompute
+
+    tagged = {}
+
+    def partition(joint, joint_inputs, **kwargs):
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        dropout_pass.recompute_hash_masks(joint.graph)
+        tagged.update({n.name: n.meta["val"].dtype for n in joint.graph.nodes if must_recompute(n)})
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: hash_dropout(x * 2.0, 0.5), backend=aot_autograd(fw_compiler=lambda g, _: g, partition_fn=partition))
+    f(torch.randn(100, requires_grad=True)).sum().backward()
+    assert tagged and torch.bool in tagged.values()
+    assert all(not d.is_floating_point for d in tagged.values()), tagged
