@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import network
-from .tt import TTSpec, cores_to_dense, make_spec, random_cores, svd_cores
+from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLinear", "TTEmbedding", "TTEmbeddingBag", "TTLayer", "DEFAULT_TAU"]
 
@@ -217,17 +217,29 @@ class TTLinear(TTLayer):
                 layer.bias.copy_(bias.detach())
         return layer
 
+    @property
+    def gemm_spec(self) -> TTSpec:
+        """The spec the contractions run at: ranks padded by tt.gemm_ranks (zero slices), so the GEMMs'
+        narrow side suits the BLAS kernels.  Equal to spec when no rank needs padding."""
+        return gemm_spec(self.spec)
+
     def plan(self, rows: int, training: bool = True, input_requires_grad: bool = True) -> network.Plan:
-        """The contraction plan for an input with this many rows: least forward + backward FLOPs when
-        training, least forward FLOPs for inference (searched once per shape, then cached)."""
-        return network.plan_tt_linear(self.spec, rows, training, input_requires_grad)
+        """The contraction plan for an input with this many rows (at gemm_spec's ranks): least forward +
+        backward cost when training, least forward cost for inference (searched once per shape, then
+        cached)."""
+        return network.plan_tt_linear(self.gemm_spec, rows, training, input_requires_grad)
 
     def flops(self, rows: int) -> int:
         """Forward FLOPs of the TT product (bias excluded) for this many rows."""
         return self.plan(rows, training=False).flops
 
     def _operands(self) -> list[torch.Tensor]:
+        """The gated cores as the contraction takes them: zero-padded to gemm_spec's ranks, boundary
+        ranks dropped."""
         cores = self.gated_cores()
+        for k, pad in enumerate(gemm_core_padding(self.spec)):
+            if pad is not None:
+                cores[k] = F.pad(cores[k], pad)
         cores[0] = cores[0].reshape(cores[0].shape[1], cores[0].shape[2])
         cores[-1] = cores[-1].reshape(cores[-1].shape[0], cores[-1].shape[1])
         return cores

@@ -20,7 +20,7 @@ from typing import Sequence
 import networkx as nx
 import torch
 
-from .tt import TTSpec
+from .tt import TTSpec, gemm_spec
 
 __all__ = [
     "TensorSpec",
@@ -471,8 +471,9 @@ def _program(plan: Plan) -> tuple:
 
 @lru_cache(maxsize=4096)
 def tt_linear_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> tuple:
-    """The plan of plan_tt_linear as plain nested tuples, ((i, j, recipe), ...), for run_program."""
-    return _program(plan_tt_linear(spec, rows, training, input_requires_grad))
+    """The plan of plan_tt_linear at gemm_spec(spec)'s ranks as plain nested tuples, ((i, j, recipe), ...),
+    for run_program on cores padded by tt.gemm_core_padding."""
+    return _program(plan_tt_linear(gemm_spec(spec), rows, training, input_requires_grad))
 
 
 MAX_SEGMENT_ROWS = 1 << 24
@@ -489,8 +490,9 @@ def tt_linear_segments(spec: TTSpec, training: bool = True,
     A fixed tree's cost is affine in the row count, so each tree is optimal on one interval and the
     intervals are found exactly by bisection between sampled row counts.  Under torch.compile this is a
     constant, and comparing the (possibly symbolic) row count with the thresholds picks the program: a
-    dynamic batch dimension recompiles only where the best plan changes, never per size."""
-    return _segments(spec, training, input_requires_grad)
+    dynamic batch dimension recompiles only where the best plan changes, never per size.  Like
+    tt_linear_program, the programs run at gemm_spec(spec)'s ranks."""
+    return _segments(gemm_spec(spec), training, input_requires_grad)
 
 
 @lru_cache(maxsize=1024)

@@ -21,6 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from comera_compile import network
 from comera_compile.layers import TTLinear
+from comera_compile.tt import rank_padding
 
 __all__ = ["expand_contractions"]
 
@@ -91,7 +92,7 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
     comments: dict[str, str] = {}
     for node in tt_nodes:
         mod: TTLinear = gm.get_submodule(node.target)
-        spec = mod.spec
+        spec = mod.gemm_spec
         (x,) = node.args
         shape = _shape_of(x)
         lead = shape[:-1]
@@ -109,6 +110,9 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                 if k < len(spec.gate_sizes):
                     gate = graph.get_attr(f"{node.target}.gates.{k}")
                     core = emit("call_function", operator.mul, (core, gate), f"gated{k}")
+                pad = rank_padding(mod.spec.core_shapes[k], shape_k)
+                if pad is not None:
+                    core = emit("call_function", F.pad, (core, pad), f"padded_core{k}")
                 if k == 0:
                     core = emit("call_method", "reshape", (core, shape_k[1], shape_k[2]), f"core{k}")
                 elif k == len(spec.core_shapes) - 1:

@@ -549,3 +549,33 @@ def test_ttlinear_padding_is_invisible():
         y = layer(x)
         assert y.shape == (*lead, 53)
         assert rel_err(y, F.linear(x, linear_weight_of(layer), layer.bias)) < 1e-12
+
+
+@given(ranks=st.lists(st.integers(1, 300), min_size=1, max_size=6))
+def test_gemm_ranks_pad_little_and_only_inner_bonds(ranks):
+    from comera_compile.tt import gemm_ranks
+
+    full = (1, *ranks, 1)
+    padded = gemm_ranks(full)
+    assert padded[0] == padded[-1] == 1 and len(padded) == len(full)
+    for r, p in zip(ranks, padded[1:-1]):
+        assert p == r or (p % 16 == 0 and r < p <= r + max(4, r // 8))
+    assert gemm_ranks(full, multiple=1) == full
+
+
+def test_ttlinear_rank_padding_is_exact_in_forward_and_gradients():
+    """Ranks 30 run as 32 (zero slices in the cores): output and every gradient equal the dense layer's,
+    in float64, and the gradients keep the cores' own shapes (gradcheck on the padded path)."""
+    torch.manual_seed(0)
+    layer = TTLinear(96, 120, rank=30, dtype=torch.float64)
+    assert layer.spec.ranks[1:-1] != layer.gemm_spec.ranks[1:-1]
+    perturb_gates(layer, torch.Generator().manual_seed(1))
+    x = torch.randn(5, 96, dtype=torch.float64, requires_grad=True)
+    y = layer(x)
+    w = linear_weight_of(layer)
+    assert rel_err(y, F.linear(x, w, layer.bias)) < 1e-12
+    (y * torch.randn_like(y)).sum().backward()
+    assert all(c.grad.shape == c.shape for c in layer.cores)
+    f, names, params = _functional(layer)
+    xs = torch.randn(2, 96, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (xs, *params), fast_mode=True)
