@@ -1,7 +1,9 @@
 """One AdamW training step of the six-encoder model (PAPERS.md), batch 8 x 128 tokens, four ways:
 dense eager, dense under torch.compile (Inductor), tensorized eager, tensorized under backend "comera".
 
-All four run in one process, interleaved, medians after warm-up; first-compile times are reported."""
+All four run in one process, interleaved, medians after warm-up; first-compile times are reported.  The
+compiled steps come from compile_step, which sets keep_freed_memory() for the whole process before any
+variant is timed, so all four run with the same allocator settings."""
 
 from __future__ import annotations
 
