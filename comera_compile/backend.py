@@ -26,6 +26,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                            "kernels (passes.dropout) instead of a per-element draw from torch's generator: same "
                            "distribution, different bits, several times cheaper; the backward recomputes "
                            "the masks from two saved words instead of saving them"),
+    "materialize_casts": (True, "integer -> float casts (attention masks) computed once into a buffer "
+                                "(passes.materialize) instead of inside every kernel they are broadcast into"),
     "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
@@ -39,7 +41,7 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
-    flags = ("cudagraphs", "contraction", "fast_dropout", "memory")
+    flags = ("cudagraphs", "contraction", "fast_dropout", "materialize_casts", "memory")
     if not all(isinstance(out[k], bool) for k in flags):
         raise TypeError(f"options {', '.join(repr(k) for k in flags)} take True or False")
     if not isinstance(out["inductor"], dict):
@@ -92,6 +94,10 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from comera_compile.passes.dropout import fast_dropout
 
         fast_dropout(gm)
+    if opts["materialize_casts"]:
+        from comera_compile.passes.materialize import materialize_int_casts
+
+        materialize_int_casts(gm)
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))

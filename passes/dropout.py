@@ -23,6 +23,8 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
+from comera_compile.passes.materialize import materialize
+
 __all__ = ["hash_dropout", "HashDropout", "fast_dropout", "recompute_hash_masks", "RecomputeHashMasks"]
 
 _M32 = 0xFFFFFFFF
@@ -53,23 +55,11 @@ def _mix64(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-@torch.library.custom_op("comera::opaque_copy", mutates_args=())
-def _opaque_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy Inductor cannot see through.  hash_dropout passes its two random words through it so
-    Inductor keeps them in a 2-element buffer: it would otherwise inline the torch.randint into the
-    elementwise kernel and run Philox again for every vector of elements (three times the cost of the
-    whole mask)."""
-    return t.clone()
-
-
-@_opaque_copy.register_fake
-def _(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t)
-
-
 def _draw_words(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Two random words in [0, 2^30) from torch's generator, materialised (see _opaque_copy)."""
-    return _opaque_copy(torch.randint(0, 2**30, (2,), device=device, dtype=dtype))
+    """Two random words in [0, 2^30) from torch's generator, in a buffer of their own: Inductor would
+    otherwise inline the torch.randint into the elementwise kernel and run Philox again for every vector
+    of elements (three times the cost of the whole mask)."""
+    return materialize(torch.randint(0, 2**30, (2,), device=device, dtype=dtype))
 
 
 def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
@@ -98,7 +88,8 @@ def recompute_hash_masks(graph: torch.fx.Graph) -> int:
     Recomputing costs a few integer operations per element inside a kernel the backward runs anyway; a
     saved mask costs a byte per element of memory and, on CPU, Inductor's bool stores are slow (about
     10 ns per element, several times the cost of the rest of the dropout's kernel)."""
-    words = [n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.comera.opaque_copy.default]
+    words = [n for n in graph.nodes
+             if n.op == "call_function" and n.target is torch.ops.comera.opaque_copy.default and _integral(n)]
     tagged: set[torch.fx.Node] = set()
     todo = [u for w in words for u in w.users]
     while todo:                                   # everything integral computed from the words
