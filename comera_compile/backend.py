@@ -116,11 +116,27 @@ def register() -> None:
     register_backend(name="comera")(comera_backend)
 
 
-def _prefer_foreach(optimizer: torch.optim.Optimizer) -> None:
-    """Switch param groups left at torch's default implementation to the multi-tensor one, where the
-    optimizer has one (groups naming foreach or fused explicitly are left alone)."""
+def _prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
+    the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
+    tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
+    update as the default.  Groups naming an implementation are left alone."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    fresh = not optimizer.state
     for group in optimizer.param_groups:
-        if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+        if group.get("foreach") is not None or group.get("fused"):
+            continue
+        fused = fresh and "fused" in group and not group.get("differentiable")
+        if fused:
+            try:
+                for p in group["params"]:
+                    _device_dtype_check_for_fused(p)
+            except (RuntimeError, ValueError):
+                fused = False
+        if fused:
+            group["fused"], group["foreach"] = True, False
+        elif "foreach" in group:
             group["foreach"] = True
 
 
@@ -163,7 +179,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     TT model's hundreds of small tensors for no faster a step than the optimizer's own foreach kernels.
     Run eagerly, param groups left at torch's default implementation (on CPU a Python loop over the
     parameters, several times slower for a TT model's hundreds of small tensors) are switched to the
-    multi-tensor (foreach) one, which computes the same update (``group["foreach"] = True``).
+    fused one where the optimizer has it (``group["fused"] = True``: Adam, AdamW, SGD, Adagrad), else to
+    the multi-tensor one (``group["foreach"] = True``); both compute the same update.
     keep_memory calls keep_freed_memory() for models on the CPU (process-wide; False leaves malloc alone)."""
     kwargs = {"options": options} if options else {}
     if keep_memory and not any(p.is_cuda for p in model.parameters()):
@@ -183,7 +200,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             if use:
                 state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
             else:
-                _prefer_foreach(optimizer)
+                _prefer_fast_implementation(optimizer)
                 state["fn"] = optimizer.step
         state["fn"]()
 

@@ -84,7 +84,7 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = self.attn_norm(x + self.dropout(self.attention(x, mask)))
-        h = self.ffn_down(self.dropout(F.gelu(self.ffn_up(x))))
+        h = self.ffn_down(F.gelu(self.ffn_up(x)))   # BERT: no dropout on the intermediate
         return self.ffn_norm(x + self.dropout(h))
 
 

@@ -431,7 +431,7 @@ def test_tempo_graph_on_an_encoder_layer_matches_autograd_with_the_same_masks():
     ref = copy.deepcopy(layer)
     ref.dropout = ref.attention.dropout = MaskReplayDropout(0.1)
     gm = M.tempo_graph(torch.fx.symbolic_trace(layer))
-    assert gm.tempo_summary.counts() == {"attention": 1, "gelu+dropout": 1, "dropout": 2, "layer_norm": 2}
+    assert gm.tempo_summary.counts() == {"attention": 1, "gelu": 1, "dropout": 2, "layer_norm": 2}
     targets = {n.target for n in gm.graph.nodes}
     assert torch.softmax not in targets and F.gelu not in targets
     x = torch.randn(3, 10, 32, dtype=torch.float64)
@@ -455,9 +455,9 @@ def test_tempo_graph_on_an_encoder_layer_matches_autograd_with_the_same_masks():
 def test_tempo_graph_saves_less_and_peaks_lower_than_eager():
     # Tensors of several slices (below one slice the scratch buffers weigh more than what is saved).
     torch.manual_seed(0)
-    layer = six_encoder.build(layers=1, d_model=64, heads=4, ffn=256).layers[0]
+    layer = six_encoder.build(layers=1, d_model=128, heads=4, ffn=512).layers[0]
     gm = M.tempo_graph(torch.fx.symbolic_trace(copy.deepcopy(layer)))
-    x = torch.randn(8, 128, 64, requires_grad=True)
+    x = torch.randn(8, 128, 128, requires_grad=True)
     eager = saved_bytes(layer, x, None, exclude=layer)
     tempo = saved_bytes(gm, x, None, exclude=gm)
     assert tempo < 0.7 * eager
@@ -467,7 +467,7 @@ def test_tempo_graph_saves_less_and_peaks_lower_than_eager():
 
     step(gm)()   # the GELU tables are built on first use, once per process: measure a later step
     # At this small size the pass's reusable scratch buffers are a visible part of the peak (measured
-    # 0.80-0.85 of eager, depending on what ran before in the process): a clear margin, not a tight one.
+    # 0.79 of eager in a fresh process, more after other tests): a clear margin, not a tight one.
     assert peak_bytes(step(gm)) < 0.9 * peak_bytes(step(layer))
 
 
