@@ -119,11 +119,17 @@ def _sole_owner_counts(make: Callable[[], torch.Tensor]) -> tuple[int, ...]:
     return _ref_counts(grad)
 
 
-try:  # private reference-count APIs: without them, gradients are never reused (always a new buffer)
-    _SOLE: tuple[int, ...] | None = _sole_owner_counts(lambda: torch.empty(8))
-    _SOLE_VIEW: tuple[int, ...] | None = _sole_owner_counts(lambda: torch.empty(8).view(2, 4))
-except (AttributeError, RuntimeError, TypeError):
-    _SOLE = _SOLE_VIEW = None
+def _sole_counts(view: bool) -> tuple[int, ...] | None:
+    """The counts of a sole-owned tensor (a view when `view`), measured now: the interpreter's own
+    references to a frame's locals can change during a run (after a failed torch.compile, for one), so
+    a baseline taken once at import would stop matching.  None without the private APIs."""
+    try:
+        return _sole_owner_counts((lambda: torch.empty(8).view(2, 4)) if view else (lambda: torch.empty(8)))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+_REFCOUNTS = _sole_counts(False) is not None   # without them, gradients are never reused (always new)
 
 
 def _take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,8 +140,8 @@ def _take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     gradient it owns, this saves a full-size allocation at the backward pass's peak.  Otherwise a new one."""
     grad = grads.pop()
     grads.clear()
-    if _SOLE is not None and grad.is_contiguous() and not grad.requires_grad and \
-            _ref_counts(grad) == (_SOLE_VIEW if grad._base is not None else _SOLE):
+    if _REFCOUNTS and grad.is_contiguous() and not grad.requires_grad and \
+            _ref_counts(grad) == _sole_counts(grad._base is not None):
         return grad, grad
     grad = grad.contiguous()
     return grad, torch.empty_like(grad)
