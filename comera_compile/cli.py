@@ -79,6 +79,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = code_mlm.DemoConfig(
         data=args.data, out=args.out, size=args.size, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
         vocab_size=args.vocab_size, rank=args.rank, seed=args.seed, max_bytes=args.max_bytes,
+        target_ratio=args.target_ratio,
         compile=not args.no_compile, dense_backend=args.dense_backend, progress=not args.no_progress)
     if args.threads is not None:
         if args.threads < 1:
@@ -115,6 +116,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
                    help=f"BPE vocabulary trained on the data (default {defaults.vocab_size})")
     d.add_argument("--rank", type=int, default=None, help="initial TT rank of the CoMERA encoder (default: the size's)")
+    d.add_argument("--target-ratio", type=float, default=defaults.target_ratio, metavar="R",
+                   help="start RankAdaptive's late stage halfway through, steering the TT size toward R (0 < R <= 1) "
+                        "times its size then (default: early stage only, which keeps accuracy in a short run)")
     d.add_argument("--seed", type=int, default=defaults.seed, help=f"seed of split, init, data order, masks (default {defaults.seed})")
     d.add_argument("--max-bytes", type=int, default=defaults.max_bytes,
                    help=f"training text read, in bytes (default {defaults.max_bytes:,})")
