@@ -158,6 +158,7 @@ def test_bad_data_dirs_say_what_to_do(tmp_path, setup, message):
 @pytest.mark.parametrize("override, message", [
     ({"steps": 0}, "--steps"), ({"batch": 0}, "--batch"), ({"seq_len": 4}, "--seq-len"),
     ({"vocab_size": 100}, "--vocab-size"), ({"rank": 0}, "--rank"), ({"size": "huge"}, "tiny, small"),
+    ({"target_ratio": 1.5}, "--target-ratio"),
 ])
 def test_bad_sizes_are_rejected_with_the_option_named(override, message):
     with pytest.raises(DemoError, match=message):
@@ -228,8 +229,9 @@ def _check_figures(result: dict) -> None:
 
 
 def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
-    result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager")
+    result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5")
     assert result["runs"]["comera"]["execution"] == result["runs"]["dense"]["execution"] == "eager"
+    assert result["config"]["target_ratio"] == 0.5 and result["runs"]["comera"]["stage"] == "late"
     _check_figures(result)
 
 
