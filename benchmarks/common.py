@@ -46,5 +46,6 @@ def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: 
 def format_flat_rows(rows: list[dict]) -> str:
     """One line per row: its 'benchmark' name, then every other figure as "key value"."""
     return "\n".join(f"{r['benchmark']}: " + ", ".join(
-        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in r.items() if k != "benchmark")
+        f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
+        for k, v in r.items() if k != "benchmark")
         for r in rows)

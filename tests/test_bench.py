@@ -60,3 +60,10 @@ def test_galore_projects_only_encoder_matrices():
     assert all(a is b for a, b in zip(low_rank, expected))
     assert opt.param_groups[1]["rank"] == 8
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def test_flat_rows_print_floats_ints_and_labels():
+    from comera_compile.benchmarks.common import format_flat_rows
+
+    row = {"benchmark": "b", "ms": 1.5, "params": 1234567, "execution": "eager (--quick)"}
+    assert format_flat_rows([row]) == "b: ms 1.5, params 1,234,567, execution eager (--quick)"
