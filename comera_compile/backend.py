@@ -56,10 +56,9 @@ def _devices(example_inputs: Sequence[Any]) -> set[str]:
 def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     """The Inductor config patches the backend passes for inputs on these device types.
 
-    CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps), and
-    Inductor's C++ wrapper for CPU-only graphs.  The torch.compile mode's own settings come first,
-    options' 'inductor' patches next; with fast_dropout the mask-recompute joint-graph pass is appended
-    to any joint_custom_pre_pass already set."""
+    CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps).  The
+    torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
+    mask-recompute joint-graph pass is appended to any joint_custom_pre_pass already set."""
     opts = _check_options(options)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -67,10 +66,6 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
 
         patches.update(list_mode_options(mode))
     patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and "cuda" in devices)
-    if devices == {"cpu"}:
-        # A C++ wrapper calls the graph's kernels and GEMMs without a Python frame per call: a TT step
-        # makes about a thousand such calls (six-encoder step 15% faster here, at a longer first compile).
-        patches["cpp_wrapper"] = True
     patches.update(opts["inductor"])
     if opts["fast_dropout"]:
         from torch._inductor import config as inductor
