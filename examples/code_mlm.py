@@ -610,7 +610,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax_comp.set_ylabel("compression vs dense (x)")
     ax_comp.set_yscale("log")
     ax_comp.set_title("compression (active ranks)")
-    ax_comp.legend(fontsize=8)
+    top = max(max(r["history"]["encoder_compression"]) for r in result["runs"].values())
+    ax_comp.set_ylim(0.7, 5 * top)  # headroom in the log scale, so the legend sits above the lines
+    ax_comp.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
