@@ -9,6 +9,7 @@ trees replay the compiled forward and backward with no per-kernel launch cost.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -141,29 +142,24 @@ def _prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
-_KEPT: list[bool] = []
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory in the process for reuse, as CUDA's caching allocator does on
     GPUs: buffers up to 32 MB come from the heap instead of fresh mmaps, and the heap is not trimmed back
     to the OS.  A CPU training step frees and re-allocates the same activations every step; by default
     each large buffer is a new mapping whose pages fault in again (about a fifth of a six-encoder step
     here).  Process-wide; resident memory stays at the high-water mark.  Returns whether it applied
-    (False off glibc)."""
-    if _KEPT:
-        return _KEPT[0]
-    ok = False
+    (False off glibc); applied once per process."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        ok = all(libc.mallopt(param, value) == 1 for param, value in (
+        return all(libc.mallopt(param, value) == 1 for param, value in (
             (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)))
     except (OSError, AttributeError):
-        ok = False
-    _KEPT.append(ok)
-    return ok
+        return False
 
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],

@@ -21,7 +21,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from comera_compile import network
 from comera_compile.layers import TTLinear
-from comera_compile.tt import rank_padding
+from comera_compile.tt import gemm_core_padding
 
 __all__ = ["expand_contractions"]
 
@@ -105,14 +105,14 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                 return graph.create_node(op, target, args, name=f"{prefix}_{suffix}")
 
             ops = []
+            paddings = gemm_core_padding(mod.spec)
             for k, shape_k in enumerate(spec.core_shapes):
                 core = graph.get_attr(f"{node.target}.cores.{k}")
                 if k < len(spec.gate_sizes):
                     gate = graph.get_attr(f"{node.target}.gates.{k}")
                     core = emit("call_function", operator.mul, (core, gate), f"gated{k}")
-                pad = rank_padding(mod.spec.core_shapes[k], shape_k)
-                if pad is not None:
-                    core = emit("call_function", F.pad, (core, pad), f"padded_core{k}")
+                if paddings[k] is not None:
+                    core = emit("call_function", F.pad, (core, paddings[k]), f"padded_core{k}")
                 if k == 0:
                     core = emit("call_method", "reshape", (core, shape_k[1], shape_k[2]), f"core{k}")
                 elif k == len(spec.core_shapes) - 1:
