@@ -1,34 +1,70 @@
-"""Rank-adaptive training (the "RA" of CoMERA): rank gates, a two-stage multi-objective loss, and rank
+"""Rank-adaptive training (the "RA" of CoMERA): rank gates, a two-stage multi-objective schedule, and rank
 slices cut out of the cores for real.
 
-Between consecutive TT cores sits diag(g); training minimises (task loss L, model size S(g)).  Early stage:
-L + gamma * R, with R the mean |g| of the active gates (an l1 stand-in for the count).  Late stage: an
-achievement scalarization toward (target loss, target_ratio x size at the switch): each step the objective
-further from its target, in relative terms, gets the weight.  Gate entries below tau are switched off, and
-every `cut_every` steps the switched-off slices are cut out of the cores and of the optimizer's state.
+Between consecutive TT cores sits diag(g); training minimises (task loss L, model size S(g)).
+
+The rule.  After every optimizer step, each layer is put in a balanced gauge (a change of the cores' and
+gates' scales that leaves the layer's function exactly as it was): for every bond, the left half of the
+train has unit-norm columns and the right half rows of equal norm, so a gate entry is the Frobenius norm of
+its rank slice's term in W relative to the bond's strongest term (the largest gate of a bond is 1).  The l1
+penalty on gates in this gauge is the factored (variational) form of the nuclear norm of the bond's
+unfolding, the convex stand-in for its rank; it acts through a proximal step, soft-thresholding every gate
+by ``gamma`` times the gate's learning rate (as structured-sparsity methods do for a group lasso, rather
+than adding a small gradient to the loss).  Under Adam, whose steps are normalised per entry, a gate moves
+by about its learning rate per step when the task needs it and much less when its gradient is noise, so
+``gamma`` (a fraction of that step) means the same for a 64- or a 4096-wide layer and for 1 or 100
+layers: a slice survives while the task pulls it harder than gamma, and the others reach exactly zero.
+Being scale-invariant, the gauge also closes the trap of an l1 penalty on raw gates (gates shrink while the
+cores grow).  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding, the
+optimizer's moments carried over as described in ``canonicalize``), so that redundant slices, which a
+random start spreads over every slice, become zero gates for the proximal step; gates it has driven to zero
+(below ``tau``) are then switched off.  Small gates are not switched off for being small: gradient descent
+learns a factorized map's directions strongest first, and a weak direction still being learned sits in a
+small gate that the task keeps pulling.
+
+Late stage (optional, ``target_ratio`` and ``late_stage_at``): toward the point (target loss, target_ratio x
+size at the switch).  At every cut interval, when the size is further from its target than the loss from its
+own (the achievement scalarization's choice), the least useful active slices are switched off first -- the
+smallest contribution to their layer's weight (as magnitude-based budget allocation does), a quarter of the
+remaining gap at a time.
+
+Cuts.  Switched-off slices are zeros in the cores; they leave the allocation (new, smaller Parameters, the
+optimizer state cut alike) when the allocated TT parameters reach ``realloc_at`` times the active ones, so
+a run re-allocates about log2(compression) times: under torch.compile each re-allocation costs one
+recompile and a mask costs none; under DDP ``step()`` returns True and the loop re-wraps the model.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .layers import DEFAULT_TAU, TTLayer
 
-__all__ = ["RankAdaptive", "param_groups"]
+__all__ = ["RankAdaptive", "param_groups", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+
+# CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
+CORE_LR_FACTOR = 2.0
+GATE_LR_FACTOR = 20.0
 
 
 def _tt_layers(model: nn.Module) -> dict[str, TTLayer]:
     return {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}
 
 
-def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float = 1e-4, gate_lr: float = 1e-3,
+def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = None, gate_lr: float | None = None,
                  weight_decay: float = 0.0) -> list[dict[str, Any]]:
-    """CoMERA's three optimizer groups: TT cores (core_lr), rank gates (gate_lr), everything else (lr)."""
+    """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
+    20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
+    ratios."""
+    core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
+    gate_lr = GATE_LR_FACTOR * lr if gate_lr is None else gate_lr
     cores, gates = [], []
     for layer in _tt_layers(model).values():
         cores += list(layer.cores)
@@ -39,6 +75,133 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float = 1e-4, gate
               {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
               {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
     return [g for g in groups if g["params"]]
+
+
+# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
+# that still steps one of them would train a tensor the model no longer uses, silently: a global optimizer
+# pre-hook makes that an error.
+_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
+_HOOK: list[Any] = []
+
+
+def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RETIRED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _RETIRED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
+                    f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
+                    f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
+                    f"update it, or build the optimizer after the cut")
+
+
+def _retire(params: list[torch.Tensor]) -> None:
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_not_retired))
+    for p in params:
+        key = id(p)
+        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))
+
+
+@torch.no_grad()
+def balance(layer: TTLayer) -> list[torch.Tensor]:
+    """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
+    L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
+    ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
+    relative to the layer's Frobenius norm (comparable across layers)."""
+    n = len(layer.cores)
+    if n < 2:
+        return []
+    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
+    g = [x.detach().double() for x in layer.gates]
+    left, right = [], [None] * (n - 1)
+    gram = None
+    for k in range(n - 1):  # Gram matrices L_k^T L_k, left to right
+        c = flat[k]
+        rhs = c if gram is None else torch.einsum("ab,bmk->amk", gram * g[k - 1][:, None] * g[k - 1], c)
+        gram = torch.einsum("amj,amk->jk", c, rhs)
+        left.append(gram)
+    gram = None
+    for k in range(n - 2, -1, -1):  # Gram matrices R_k R_k^T, right to left
+        c = flat[k + 1]
+        rhs = c if gram is None else torch.einsum("ab,kmb->kma", gram * g[k + 1][:, None] * g[k + 1], c)
+        gram = torch.einsum("jma,kma->jk", c, rhs)
+        right[k] = gram
+    norm = torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
+    relative = []
+    for k in range(n - 1):
+        a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
+        term = a * g[k].abs() * b
+        s = term.max()
+        ok = (a > 0) & (b > 0) & (s > 0)
+        one = torch.ones_like(a)
+        fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
+        fb = torch.where(ok, s / torch.where(ok, b, one), one)
+        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
+        core_l.mul_(fa.to(core_l.dtype).reshape(*([1] * (core_l.dim() - 1)), -1))
+        core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
+        gate.mul_(torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one).to(gate.dtype))
+        relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
+    return relative
+
+
+def _grams(flat: list[torch.Tensor], g: list[torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gram matrices L_k^T L_k and R_k R_k^T of bond k's two halves (gate k itself excluded)."""
+    gl = None
+    for j in range(k + 1):
+        c = flat[j]
+        rhs = c if gl is None else torch.einsum("ab,bmk->amk", gl * g[j - 1][:, None] * g[j - 1], c)
+        gl = torch.einsum("amj,amk->jk", c, rhs)
+    gr = None
+    for j in range(len(flat) - 1, k, -1):
+        c = flat[j]
+        rhs = c if gr is None else torch.einsum("ab,kmb->kma", gr * g[j][:, None] * g[j], c)
+        gr = torch.einsum("jma,kma->jk", c, rhs)
+    return gl, gr
+
+
+def _half_inverse(gram: torch.Tensor, rtol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
+    """(G^{1/2}, G^{+1/2}) of a symmetric PSD matrix, directions below rtol of its largest eigenvalue dropped."""
+    w, u = torch.linalg.eigh(gram)
+    keep = w > rtol * w.max().clamp_min(0)
+    root = torch.where(keep, w.clamp_min(0).sqrt(), torch.zeros_like(w))
+    inv = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(w)), torch.zeros_like(w))
+    return (u * root) @ u.T, (u * inv) @ u.T
+
+
+_SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
+
+
+@torch.no_grad()
+def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
+    """Rotate every bond of `layer` to its singular basis (TT rounding, left to right): the gates become the
+    singular values of the bond's unfolding, so a slice's gate is its true share and redundant slices get
+    zero gates.  The function is unchanged.  In the optimizer's `state` (if given) the rotated tensors'
+    first moments restart at zero and their second moments are averaged over the rotated axis."""
+    n = len(layer.cores)
+    for k in range(n - 1):
+        flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
+        g = [x.detach().double() for x in layer.gates]
+        gl, gr = _grams(flat, g, k)
+        root_l, inv_l = _half_inverse(gl)
+        root_r, inv_r = _half_inverse(gr)
+        x, sigma, yh = torch.linalg.svd(root_l @ torch.diag(g[k]) @ root_r)
+        a, b = inv_l @ x, yh @ inv_r  # L_k -> L_k a (orthonormal columns), R_k -> b R_k
+        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
+        core_l.copy_(torch.einsum("...i,ij->...j", flat[k], a).reshape(core_l.shape).to(core_l.dtype))
+        core_r.copy_(torch.einsum("ji,i...->j...", b, flat[k + 1]).reshape(core_r.shape).to(core_r.dtype))
+        gate.copy_(sigma.to(gate.dtype))
+        for p, dim in ((core_l, core_l.dim() - 1), (core_r, 0), (gate, 0)):
+            st = state.get(p) if state is not None else None
+            for key, value in (st or {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                    if key in _SECOND_MOMENTS:
+                        value.copy_(value.mean(dim, keepdim=True).expand_as(value))
+                    else:
+                        value.zero_()
 
 
 @dataclass
@@ -53,20 +216,26 @@ class _Record:
 class RankAdaptive:
     """The rank-adaptive training hook for a tensorized model.
 
-    ``loss = ra.loss(task_loss)`` returns the objective of the current stage; call ``ra.step()`` after
-    ``optimizer.step()``.  Give the optimizer with ``optimizer=`` (or ``ra.attach(opt)``) so cuts also cut
-    its state.  Reports: ``ranks()``, ``size()``, ``compression()``, ``history``.
+    ``loss = ra.loss(task_loss)`` returns the objective of the current stage (its penalty term carries no
+    gradient: the penalty acts through the proximal update in ``step()``); call ``ra.step()`` after
+    ``optimizer.step()``.  Give the optimizer with ``optimizer=`` (or ``ra.attach(opt)``): its learning rate
+    sets the proximal step, and cuts cut its state too.  ``step()`` returns True when the cores were
+    re-allocated (new Parameters): a DistributedDataParallel wrapper must then be rebuilt.  Reports:
+    ``ranks()``, ``allocated_ranks()``, ``size()``, ``compression()``, ``report()``, ``history``.
 
-    With ``rebalance`` (the default) the cores hold unit-norm rank slices, so an Adam step moves them further,
-    relative to their entries, than the same lr moves a dense weight.  If the loss stalls early, lower the
-    cores' lr: the code-MLM demo stayed at the unigram guess for 500 steps with cores at 2e-3 (dense 1e-3)
-    and trains at 5e-4.
+    Defaults are meant to be left alone, with the learning rates of ``param_groups(model, lr)``: gamma = 0.1
+    (a tenth of an Adam step per step toward zero), tau = 1e-6 (gates the proximal step zeroed are off), a
+    rounding and cut check every 100 steps, and a
+    re-allocation when at least half the allocated TT parameters are switched off (``realloc_at``; None
+    keeps the allocation until an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training, such
+    as FSDP or the transformers Trainer).
     """
 
-    def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.01,
+    def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
                  target_ratio: float | None = None, target_loss: float | None = None,
-                 late_stage_at: int | None = None, cut_every: int = 50,
-                 optimizer: torch.optim.Optimizer | None = None, rebalance: bool = True) -> None:
+                 late_stage_at: int | None = None, cut_every: int = 100,
+                 optimizer: torch.optim.Optimizer | None = None, realloc_at: float | None = 2.0,
+                 prox_lr: float = 1e-3) -> None:
         if not (isinstance(tau, (int, float)) and tau > 0):
             raise ValueError(f"tau must be a positive number (gates below it switch off), got {tau!r}")
         if not (isinstance(gamma, (int, float)) and gamma >= 0):
@@ -78,30 +247,36 @@ class RankAdaptive:
             raise ValueError("late_stage_at needs target_ratio: the late stage steers toward a size target")
         if not isinstance(cut_every, int) or cut_every < 1:
             raise ValueError(f"cut_every must be a positive int (steps between cuts), got {cut_every!r}")
+        if realloc_at is not None and not realloc_at >= 1:
+            raise ValueError(f"realloc_at must be >= 1 (allocated / active TT parameters that triggers a "
+                             f"re-allocation) or None (only explicit cut()), got {realloc_at!r}")
         self.layers = _tt_layers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
                              f"(model = comera_compile.tensorize(model))")
         self.model, self.tau, self.gamma = model, float(tau), float(gamma)
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
-        self.cut_every, self.optimizer, self.rebalance = cut_every, optimizer, rebalance
+        self.cut_every, self.optimizer, self.realloc_at = cut_every, optimizer, realloc_at
+        self.prox_lr = float(prox_lr)
         self.steps, self.stage, self.cuts = 0, "early", 0
         self.size_target: float | None = None
         self.loss_target: float | None = None
         self._last_loss: float | None = None
+        self._loss_ema: float | None = None
         self.dense_params = sum(p.numel() for p in model.parameters()) + sum(
             m.dense_params() - m.tt_params() for m in self.layers.values())
         first = next(iter(self.layers.values())).gates[0]
         self._size_t = torch.zeros((), dtype=torch.float64, device=first.device)
         self.masks = {name: [torch.ones_like(g, dtype=torch.bool) for g in m.gates]
                       for name, m in self.layers.items()}
+        self._importance: dict[str, list[torch.Tensor]] = {}
         self.history: list[_Record] = []
         self._update_size()
 
     # -- objective ------------------------------------------------------------------------------------
     def penalty(self) -> torch.Tensor:
-        """R: the mean |g| over the active gate entries of every TT layer (tensor ops only, so it also
-        runs inside a compiled region without a graph break)."""
+        """R: the mean |g| over the active gate entries of every TT layer, in the balanced gauge (tensor
+        ops only, so it also runs inside a compiled region without a graph break)."""
         total, active = None, None
         for name, layer in self.layers.items():
             for g, m in zip(layer.gates, self.masks[name]):
@@ -111,37 +286,47 @@ class RankAdaptive:
         return total / active.clamp_min(1)
 
     def loss(self, task_loss: torch.Tensor) -> torch.Tensor:
-        """The objective of the current stage for this step's task loss."""
-        if not torch.compiler.is_compiling():
+        """The objective of the current stage for this step's task loss.  The penalty is added as a value
+        (no gradient): step()'s proximal update applies it."""
+        if self.late_stage_at is not None and not torch.compiler.is_compiling():
             self._last_loss = float(task_loss.detach())
-        r = self.penalty()
+        r = self.penalty().detach().to(task_loss.dtype)
         if self.stage == "early":
             return task_loss + self.gamma * r
         size = self._size_t.to(task_loss.dtype)
         size_gap = (size - self.size_target) / size
-        loss_gap = (task_loss - self.loss_target) / task_loss
-        lam = (loss_gap < size_gap).to(task_loss.dtype).detach()
-        return 0.1 * task_loss + 0.01 * r + lam * r + (1 - lam) * task_loss
+        loss_gap = (task_loss.detach() - self.loss_target) / task_loss.detach()
+        lam = (loss_gap < size_gap).to(task_loss.dtype)
+        return task_loss + (0.01 + lam) * r
 
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose state is cut together with the cores."""
+        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores."""
         self.optimizer = optimizer
 
+    def _gate_lrs(self) -> dict[int, float]:
+        if self.optimizer is None:
+            return {}
+        return {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+
     @torch.no_grad()
-    def step(self) -> None:
-        """After optimizer.step(): switch off gates below tau, advance the schedule, cut every cut_every."""
+    def step(self) -> bool:
+        """After optimizer.step(): balance, shrink the gates (proximal step), switch off gates below tau,
+        advance the schedule; every cut_every steps prune toward the late stage's target and re-allocate
+        when due.  Returns True when the cores were re-allocated (new Parameters)."""
         self.steps += 1
-        if self.rebalance:
-            self._rebalance()
-        # In the late stage the size target is the goal: once reached, no further slice is switched off.
-        switching = self.stage == "early" or self.size() > self.size_target
+        if self._last_loss is not None:
+            self._loss_ema = self._last_loss if self._loss_ema is None else (
+                0.9 * self._loss_ema + 0.1 * self._last_loss)
+        lrs = self._gate_lrs()
+        # In the late stage the size target is the goal: once reached, no further slice is shrunk.
+        shrinking = self.stage == "early" or self.size() > self.size_target
         for name, layer in self.layers.items():
+            self._importance[name] = balance(layer)
             for g, m in zip(layer.gates, self.masks[name]):
-                if switching:
-                    m &= g.abs() >= self.tau
-                if not m.any():  # keep the bond's largest slice, switched off, rather than a rank-0 bond
-                    m[g.abs().argmax()] = False
+                if shrinking:
+                    thr = self.gamma * lrs.get(id(g), self.prox_lr)
+                    g.copy_(g.sign() * (g.abs() - thr).clamp_min(0))
                 g.mul_(m.to(g.dtype))
         self._update_size()
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
@@ -150,29 +335,118 @@ class RankAdaptive:
             if self.target_loss is not None:
                 self.loss_target = self.target_loss
             else:
-                self.loss_target = self._last_loss if self._last_loss is not None else 0.0
+                self.loss_target = self._loss_ema if self._loss_ema is not None else 0.0
+        reallocated = False
         if self.steps % self.cut_every == 0:
-            self.cut()
+            self._synchronize()
+            state = self.optimizer.state if self.optimizer is not None else None
+            for name, layer in self.layers.items():
+                canonicalize(layer, state)
+                self._importance[name] = balance(layer)
+            self._switch_off()
+            if self.stage == "late":
+                self._prune_toward_target()
+            allocated = sum(m.spec.core_params() for m in self.layers.values())
+            if self.realloc_at is not None and allocated >= self.realloc_at * max(self._active_core_params(), 1):
+                reallocated = self.cut() > 0
         self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
+        return reallocated
 
     @torch.no_grad()
-    def _rebalance(self) -> None:
-        """Move each rank slice's scale from the core on its left into its gate (unit-norm slices), which
-        leaves the function unchanged.  Without it the l1 penalty on gates is cheated: gates shrink while
-        the cores grow, and slices the model needs cross tau."""
-        for layer in self.layers.values():
-            for k, g in enumerate(layer.gates):
-                core = layer.cores[k]
-                norms = core.reshape(-1, core.shape[-1]).norm(dim=0).clamp_min(torch.finfo(core.dtype).tiny)
-                core.div_(norms)
-                g.mul_(norms)
+    def _switch_off(self) -> None:
+        """Mask the gates under tau (between checks a gate the proximal step zeroed can still come back, when
+        the task pulls it harder than the penalty).  In the late stage, only until the size target is met."""
+        off = []
+        for name, layer in self.layers.items():
+            for k, (g, m) in enumerate(zip(layer.gates, self.masks[name])):
+                for j in torch.nonzero(m & (g.abs() < self.tau)).flatten().tolist():
+                    off.append((float(g[j].abs()), name, k, j))
+        for _, name, k, j in sorted(off):
+            if self.stage == "late" and self.size() <= self.size_target:
+                break
+            m = self.masks[name][k]
+            if int(m.sum()) > 1:  # keep a bond's last slice rather than a rank-0 bond
+                m[j] = False
+                self.layers[name].gates[k][j] = 0.0
+        self._update_size()
+
+    def _prune_toward_target(self) -> None:
+        """Switch off the least useful active slices (smallest share of their layer's weight) until the size
+        has closed a quarter of its gap to the target, when the size is relatively further from its target
+        than the loss from its own."""
+        size = self.size()
+        if size <= self.size_target:
+            return
+        if self._loss_ema is not None and self.loss_target is not None and self._loss_ema > 0:
+            if (self._loss_ema - self.loss_target) / self._loss_ema >= (size - self.size_target) / size:
+                return
+        goal = size - max(1.0, 0.25 * (size - self.size_target))
+        candidates = []
+        for name in self.layers:
+            for k, (imp, m) in enumerate(zip(self._importance.get(name, []), self.masks[name])):
+                if int(m.sum()) <= 1:
+                    continue
+                order = [j for j in imp.argsort().tolist() if m[j]]
+                candidates += [(float(imp[j]), name, k, j) for j in order[:-1]]  # never the bond's last
+        for _, name, k, j in sorted(candidates):
+            if self.size() <= goal:
+                break
+            if int(self.masks[name][k].sum()) > 1:
+                self.masks[name][k][j] = False
+                self.layers[name].gates[k][j] = 0.0
+        self._update_size()
+
+    def _synchronize(self) -> None:
+        """Under torch.distributed: check that the replicas still hold the same model, then take rank 0's
+        TT parameters and masks, so every process cuts the same slices."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return
+        params = list(self.model.parameters())
+        fp = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                          for p in params]).flatten()
+        hi, lo = fp.clone(), -fp
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+        if not torch.allclose(hi, -lo, rtol=1e-6, atol=1e-9):
+            raise RuntimeError(
+                "RankAdaptive: the data-parallel replicas hold different parameters.  After ra.step() returns "
+                "True the cores are new Parameters: rebuild the wrapper (ddp = DistributedDataParallel(model, "
+                "...)) before the next forward, or pass realloc_at=None to keep the allocation until the end")
+        tensors = [p for layer in self.layers.values() for p in (*layer.cores, *layer.gates)]
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        masks = torch.cat([m.to(flat.dtype) for ms in self.masks.values() for m in ms])
+        dist.broadcast(flat, 0)
+        dist.broadcast(masks, 0)
+        offset = 0
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(flat[offset:offset + t.numel()].reshape(t.shape))
+                offset += t.numel()
+        offset = 0
+        for ms in self.masks.values():
+            for m in ms:
+                m.copy_(masks[offset:offset + m.numel()] > 0.5)
+                offset += m.numel()
+        self._update_size()
+
+    def _active_core_params(self) -> int:
+        total = 0
+        for name, layer in self.layers.items():
+            r = (1, *(int(m.sum()) for m in self.masks[name]), 1)
+            for k, shape in enumerate(layer.spec.core_shapes):
+                total += math.prod(shape[1:-1]) * r[k] * r[k + 1]
+        return total
 
     @torch.no_grad()
     def cut(self) -> int:
-        """Cut switched-off rank slices out of the cores (and the optimizer's state) now.  Returns the
-        number of parameters removed."""
+        """Cut switched-off rank slices out of the cores (and the optimizer's state) now: new, smaller
+        Parameters.  Returns the number of parameters removed.  An optimizer that still holds a replaced
+        Parameter raises at its next step."""
         before = sum(m.tt_params() for m in self.layers.values())
         state = self.optimizer.state if self.optimizer is not None else {}
+        retired: list[torch.Tensor] = []
         for name, layer in self.layers.items():
             keep = []
             for g, m in zip(layer.gates, self.masks[name]):
@@ -194,7 +468,12 @@ class RankAdaptive:
                 swap = {id(old): new for old, new in replaced.values()}
                 for group in self.optimizer.param_groups:
                     group["params"] = [swap.get(id(p), p) for p in group["params"]]
+            retired += [old for old, _ in replaced.values()]
             self.masks[name] = [m[k] if k is not None else m for m, k in zip(self.masks[name], keep)]
+            if name in self._importance:
+                self._importance[name] = [v[k] if k is not None else v
+                                          for v, k in zip(self._importance[name], keep)]
+        _retire(retired)
         removed = before - sum(m.tt_params() for m in self.layers.values())
         if removed:
             self.cuts += 1
@@ -209,16 +488,12 @@ class RankAdaptive:
         return {name: (1, *(int(m.sum()) for m in self.masks[name]), 1) for name in self.layers}
 
     def allocated_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Ranks the cores are allocated at (>= the active ranks until the next re-allocation)."""
         return {name: layer.spec.ranks for name, layer in self.layers.items()}
 
     def size(self) -> int:
         """S(g): sum over layers and cores of size_k * nnz(g_{k-1}) * nnz(g_k)."""
-        total = 0
-        for name, layer in self.layers.items():
-            r = (1, *(int(m.sum()) for m in self.masks[name]), 1)
-            for k, shape in enumerate(layer.spec.core_shapes):
-                total += math.prod(shape[1:-1]) * r[k] * r[k + 1]
-        return total
+        return self._active_core_params()
 
     def model_params(self) -> int:
         """Parameters of the whole model as it is allocated now."""
@@ -241,7 +516,7 @@ class RankAdaptive:
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "stage": self.stage, "cuts": self.cuts, "size_target": self.size_target,
-                "loss_target": self.loss_target, "last_loss": self._last_loss,
+                "loss_target": self.loss_target, "last_loss": self._last_loss, "loss_ema": self._loss_ema,
                 "masks": {n: [m.clone() for m in ms] for n, ms in self.masks.items()},
                 "history": [vars(r).copy() for r in self.history]}
 
@@ -251,9 +526,8 @@ class RankAdaptive:
             raise ValueError(f"the checkpoint's TT layers differ from the model's: {sorted(missing)}")
         self.steps, self.stage, self.cuts = state["steps"], state["stage"], state["cuts"]
         self.size_target, self.loss_target = state["size_target"], state["loss_target"]
-        self._last_loss = state["last_loss"]
+        self._last_loss, self._loss_ema = state["last_loss"], state.get("loss_ema")
         self.masks = {n: [m.clone().to(self.layers[n].gates[k].device) for k, m in enumerate(ms)]
                       for n, ms in state["masks"].items()}
         self.history = [_Record(**r) for r in state["history"]]
         self._update_size()
-
