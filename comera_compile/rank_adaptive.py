@@ -228,7 +228,8 @@ class RankAdaptive:
     rounding and cut check every 100 steps, and a
     re-allocation when at least half the allocated TT parameters are switched off (``realloc_at``; None
     keeps the allocation until an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training, such
-    as FSDP or the transformers Trainer).
+    as FSDP or the transformers Trainer).  ``prox_lr`` is the gate learning rate the proximal step assumes
+    while no optimizer is attached.
     """
 
     def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
@@ -303,6 +304,26 @@ class RankAdaptive:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores."""
         self.optimizer = optimizer
+
+    def trainer_callback(self) -> Any:
+        """A transformers ``TrainerCallback`` that runs this hook inside ``Trainer``: ``step()`` after every
+        optimizer step (the Trainer's optimizer attached at the first), ``cut()`` when training ends.  With
+        several processes, build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be
+        rebuilt mid-training, so switched-off slices stay allocated as zeros until the final cut."""
+        from transformers import TrainerCallback
+
+        ra = self
+
+        class RankAdaptiveCallback(TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+                if ra.optimizer is None and optimizer is not None:
+                    ra.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
+                ra.step()
+
+            def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                ra.cut()
+
+        return RankAdaptiveCallback()
 
     def _gate_lrs(self) -> dict[int, float]:
         if self.optimizer is None:

@@ -80,10 +80,7 @@ class DemoConfig:
     rank: int | None = None  # None: the size's rank
     seed: int = 0
     lr: float = 1e-3
-    # RankAdaptive rescales every core to unit-norm rank slices after each step (the scale moves into the
-    # gates), which makes a core's Adam steps larger relative to its entries: the cores need a lower lr than
-    # the dense parameters (2e-3 here left the encoder at the unigram guess after 500 steps), and gates faster
-    # than 1e-3 switch off attention's Q/K slices before their task gradients have grown.
+    # Rates of the 500-step default run (cores at 2e-3 left the encoder at the unigram guess).
     core_lr: float = 5e-4
     gate_lr: float = 1e-3
     warmup: float = 0.05  # fraction of the steps with a linear learning-rate warm-up, then constant

@@ -69,3 +69,71 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     single = _train(_model(), xs, ys)
     for a, b in zip(ranks[0], single):
         assert (a - b).norm() <= 1e-5 * b.norm() + 1e-7
+
+
+CUT_STEPS = 15
+
+
+def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebuild: bool) -> None:
+    """Train under DDP with RankAdaptive checking every 5 steps; half of every bond switched off by hand (the
+    same slices in both processes) before the first check, so it re-allocates the cores.  rebuild: follow
+    the documented path (a new DDP after ra.step() returns True); otherwise keep the stale wrapper."""
+    import comera_compile as cc
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    result: dict = {"snapshots": [], "error": None}
+    try:
+        model = _model()
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
+
+        def wrap():
+            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=not rebuild)
+            return torch.compile(ddp, backend="comera") if compiled else ddp
+
+        fn = wrap()
+        g = torch.Generator().manual_seed(1)
+        for step in range(CUT_STEPS):
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
+            x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+            ra.loss(nn.functional.cross_entropy(fn(x), y)).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                with torch.no_grad():
+                    for layer in ra.layers.values():
+                        for gate in layer.gates:
+                            gate[: gate.numel() // 2] = 0.0
+            if ra.step():
+                result["snapshots"].append([p.detach().clone() for p in model.parameters()])
+                if rebuild:
+                    fn = wrap()
+        result["final"] = [p.detach().clone() for p in model.parameters()]
+    except RuntimeError as e:
+        result["error"] = str(e)
+    finally:
+        torch.save(result, f"{out}.{rank}")
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled):
+    out = str(tmp_path / "ra")
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, compiled, True), nprocs=2, join=True)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
+    assert len(a["snapshots"]) == len(b["snapshots"]) >= 1
+    for snap_a, snap_b in zip(a["snapshots"] + [a["final"]], b["snapshots"] + [b["final"]]):
+        assert [p.shape for p in snap_a] == [p.shape for p in snap_b]
+        assert max((p - q).abs().max().item() for p, q in zip(snap_a, snap_b)) == 0.0
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
+    out = str(tmp_path / "stale")
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, False, False), nprocs=2, join=True)
+    for r in range(2):
+        error = torch.load(f"{out}.{r}")["error"]
+        assert error is not None and "rebuild the wrapper" in error, error

@@ -341,3 +341,30 @@ def test_bad_input(kwargs, match):
 def test_model_without_tt_layers_is_an_error():
     with pytest.raises(ValueError, match="no TT layers; tensorize it first"):
         RankAdaptive(nn.Linear(4, 4))
+
+
+def test_transformers_trainer_runs_the_hook_and_cuts_at_the_end(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class Regressor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = TTLinear(64, 64, rank=8, bias=False)
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": ((out - labels) ** 2).mean(), "logits": out}
+
+    torch.manual_seed(0)
+    teacher = TTLinear(64, 64, rank=2, bias=False)
+    x, y, _, _ = _teacher_data(teacher, 64, 0)
+    data = [{"x": a, "labels": b} for a, b in zip(x[:512], y[:512])]
+    model = Regressor()
+    ra = RankAdaptive(model, cut_every=10)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=40, per_device_train_batch_size=32, learning_rate=1e-3,
+        report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[ra.trainer_callback()])
+    trainer.train()
+    assert ra.steps == 40 and ra.optimizer is not None
+    assert ra.allocated_ranks() == ra.ranks()  # the final cut removed every switched-off slice
