@@ -106,6 +106,26 @@ def _retire(params: list[torch.Tensor]) -> None:
         _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))
 
 
+def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """For every bond k, the Gram matrices L_k^T L_k and R_k R_k^T of the train's two halves (gate k itself
+    excluded), from 3-way cores `flat` and gates `g`, by the usual transfer-matrix sweeps."""
+    n = len(flat)
+    left, right = [], [torch.empty(0)] * (n - 1)
+    gram = None
+    for k in range(n - 1):
+        c = flat[k]
+        rhs = c if gram is None else torch.einsum("ab,bmk->amk", gram * g[k - 1][:, None] * g[k - 1], c)
+        gram = torch.einsum("amj,amk->jk", c, rhs)
+        left.append(gram)
+    gram = None
+    for k in range(n - 2, -1, -1):
+        c = flat[k + 1]
+        rhs = c if gram is None else torch.einsum("ab,kmb->kma", gram * g[k + 1][:, None] * g[k + 1], c)
+        gram = torch.einsum("jma,kma->jk", c, rhs)
+        right[k] = gram
+    return left, right
+
+
 @torch.no_grad()
 def balance(layer: TTLayer) -> list[torch.Tensor]:
     """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
@@ -117,19 +137,7 @@ def balance(layer: TTLayer) -> list[torch.Tensor]:
         return []
     flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
     g = [x.detach().double() for x in layer.gates]
-    left, right = [], [None] * (n - 1)
-    gram = None
-    for k in range(n - 1):  # Gram matrices L_k^T L_k, left to right
-        c = flat[k]
-        rhs = c if gram is None else torch.einsum("ab,bmk->amk", gram * g[k - 1][:, None] * g[k - 1], c)
-        gram = torch.einsum("amj,amk->jk", c, rhs)
-        left.append(gram)
-    gram = None
-    for k in range(n - 2, -1, -1):  # Gram matrices R_k R_k^T, right to left
-        c = flat[k + 1]
-        rhs = c if gram is None else torch.einsum("ab,kmb->kma", gram * g[k + 1][:, None] * g[k + 1], c)
-        gram = torch.einsum("jma,kma->jk", c, rhs)
-        right[k] = gram
+    left, right = _grams(flat, g)
     norm = torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
     relative = []
     for k in range(n - 1):
@@ -146,21 +154,6 @@ def balance(layer: TTLayer) -> list[torch.Tensor]:
         gate.mul_(torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one).to(gate.dtype))
         relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
     return relative
-
-
-def _grams(flat: list[torch.Tensor], g: list[torch.Tensor], k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gram matrices L_k^T L_k and R_k R_k^T of bond k's two halves (gate k itself excluded)."""
-    gl = None
-    for j in range(k + 1):
-        c = flat[j]
-        rhs = c if gl is None else torch.einsum("ab,bmk->amk", gl * g[j - 1][:, None] * g[j - 1], c)
-        gl = torch.einsum("amj,amk->jk", c, rhs)
-    gr = None
-    for j in range(len(flat) - 1, k, -1):
-        c = flat[j]
-        rhs = c if gr is None else torch.einsum("ab,kmb->kma", gr * g[j][:, None] * g[j], c)
-        gr = torch.einsum("jma,kma->jk", c, rhs)
-    return gl, gr
 
 
 def _half_inverse(gram: torch.Tensor, rtol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,9 +178,9 @@ def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
     for k in range(n - 1):
         flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
         g = [x.detach().double() for x in layer.gates]
-        gl, gr = _grams(flat, g, k)
-        root_l, inv_l = _half_inverse(gl)
-        root_r, inv_r = _half_inverse(gr)
+        lefts, rights = _grams(flat, g)
+        root_l, inv_l = _half_inverse(lefts[k])
+        root_r, inv_r = _half_inverse(rights[k])
         x, sigma, yh = torch.linalg.svd(root_l @ torch.diag(g[k]) @ root_r)
         a, b = inv_l @ x, yh @ inv_r  # L_k -> L_k a (orthonormal columns), R_k -> b R_k
         core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]

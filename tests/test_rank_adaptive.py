@@ -368,3 +368,27 @@ def test_transformers_trainer_runs_the_hook_and_cuts_at_the_end(tmp_path):
     trainer.train()
     assert ra.steps == 40 and ra.optimizer is not None
     assert ra.allocated_ranks() == ra.ranks()  # the final cut removed every switched-off slice
+
+
+def test_balance_and_rounding_keep_the_function_and_rounding_gives_the_unfoldings_singular_values():
+    from comera_compile.rank_adaptive import balance, canonicalize
+    from comera_compile.tt import full_tensor
+
+    torch.manual_seed(0)
+    layer = TTLinear(64, 48, rank=(1, 3, 7, 6, 5, 3, 1), in_modes=(4, 4, 4), out_modes=(4, 4, 3),
+                     dtype=torch.float64)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.uniform_(0.1, 2.0)
+    dense = layer.to_dense().clone()
+    balance(layer)
+    torch.testing.assert_close(layer.to_dense(), dense, rtol=1e-10, atol=1e-12)
+    assert all(abs(g.abs().max().item() - 1.0) < 1e-12 for g in layer.gates)  # each bond's strongest is 1
+    canonicalize(layer)
+    torch.testing.assert_close(layer.to_dense(), dense, rtol=1e-10, atol=1e-12)
+    tensor = full_tensor([c.detach() for c in layer.cores], [g.detach() for g in layer.gates])
+    sizes = tensor.shape
+    for k, g in enumerate(layer.gates):
+        unfolding = tensor.reshape(math.prod(sizes[: k + 1]), -1)
+        sv = torch.linalg.svdvals(unfolding)[: g.numel()]
+        torch.testing.assert_close(g.detach().abs().sort(descending=True).values, sv, rtol=1e-8, atol=1e-10)
