@@ -47,11 +47,15 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .layers import DEFAULT_TAU, TTLayer
 
-__all__ = ["RankAdaptive", "param_groups", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+__all__ = ["RankAdaptive", "param_groups", "balance", "canonicalize", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
 GATE_LR_FACTOR = 20.0
+
+# Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
+# small einsums per bond).
+BALANCE_EVERY = 10
 
 
 def _tt_layers(model: nn.Module) -> dict[str, TTLayer]:
@@ -261,6 +265,7 @@ class RankAdaptive:
             m.dense_params() - m.tt_params() for m in self.layers.values())
         first = next(iter(self.layers.values())).gates[0]
         self._size_t = torch.zeros((), dtype=torch.float64, device=first.device)
+        self._penalty_t = torch.ones((), dtype=first.dtype, device=first.device)  # penalty() after the last step
         self.masks = {name: [torch.ones_like(g, dtype=torch.bool) for g in m.gates]
                       for name, m in self.layers.items()}
         self._importance: dict[str, list[torch.Tensor]] = {}
@@ -280,11 +285,11 @@ class RankAdaptive:
         return total / active.clamp_min(1)
 
     def loss(self, task_loss: torch.Tensor) -> torch.Tensor:
-        """The objective of the current stage for this step's task loss.  The penalty is added as a value
-        (no gradient): step()'s proximal update applies it."""
+        """The objective of the current stage for this step's task loss.  The penalty (as of the last step())
+        is added as a value without gradient: step()'s proximal update applies it."""
         if self.late_stage_at is not None and not torch.compiler.is_compiling():
             self._last_loss = float(task_loss.detach())
-        r = self.penalty().detach().to(task_loss.dtype)
+        r = self._penalty_t.to(task_loss.dtype)
         if self.stage == "early":
             return task_loss + self.gamma * r
         size = self._size_t.to(task_loss.dtype)
@@ -332,17 +337,22 @@ class RankAdaptive:
         if self._last_loss is not None:
             self._loss_ema = self._last_loss if self._loss_ema is None else (
                 0.9 * self._loss_ema + 0.1 * self._last_loss)
-        lrs = self._gate_lrs()
         # In the late stage the size target is the goal: once reached, no further slice is shrunk.
-        shrinking = self.stage == "early" or self.size() > self.size_target
-        for name, layer in self.layers.items():
-            self._importance[name] = balance(layer)
-            for g, m in zip(layer.gates, self.masks[name]):
-                if shrinking:
-                    thr = self.gamma * lrs.get(id(g), self.prox_lr)
-                    g.copy_(g.sign() * (g.abs() - thr).clamp_min(0))
-                g.mul_(m.to(g.dtype))
-        self._update_size()
+        shrinking = self.gamma > 0 and (self.stage == "early" or self.size() > self.size_target)
+        if (self.steps - 1) % BALANCE_EVERY == 0:
+            for name, layer in self.layers.items():
+                self._importance[name] = balance(layer)
+        gates = [g for layer in self.layers.values() for g in layer.gates]
+        if shrinking:  # soft-threshold every gate by gamma x its lr, as one multi-tensor op per stage
+            lrs = self._gate_lrs()
+            magnitude = torch._foreach_abs(gates)
+            torch._foreach_sub_(magnitude, [self.gamma * lrs.get(id(g), self.prox_lr) for g in gates])
+            torch._foreach_clamp_min_(magnitude, 0.0)
+            torch._foreach_mul_(magnitude, torch._foreach_sign(gates))
+            torch._foreach_copy_(gates, magnitude)
+        for name, k in self._masked:
+            self.layers[name].gates[k].mul_(self.masks[name][k].to(gates[0].dtype))
+        self._penalty_t.copy_(self.penalty())
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
             self.stage = "late"
             self.size_target = self.target_ratio * self.size()
@@ -378,11 +388,21 @@ class RankAdaptive:
         for _, name, k, j in sorted(off):
             if self.stage == "late" and self.size() <= self.size_target:
                 break
-            m = self.masks[name][k]
-            if int(m.sum()) > 1:  # keep a bond's last slice rather than a rank-0 bond
-                m[j] = False
-                self.layers[name].gates[k][j] = 0.0
+            self._switch(name, k, j)
         self._update_size()
+
+    def _switch(self, name: str, k: int, j: int) -> None:
+        """Switch off slice j of bond k of a layer, keeping the cached ranks and size current; a bond's last
+        active slice stays (a rank-0 bond would remove the layer)."""
+        m = self.masks[name][k]
+        if not m[j] or self._ranks[name][k + 1] <= 1:
+            return
+        m[j] = False
+        self.layers[name].gates[k][j] = 0.0
+        shapes = self.layers[name].spec.core_shapes
+        r = self._ranks[name]
+        self._size -= math.prod(shapes[k][1:-1]) * r[k] + math.prod(shapes[k + 1][1:-1]) * r[k + 2]
+        self._ranks[name] = (*r[:k + 1], r[k + 1] - 1, *r[k + 2:])
 
     def _prune_toward_target(self) -> None:
         """Switch off the least useful active slices (smallest share of their layer's weight) until the size
@@ -405,9 +425,7 @@ class RankAdaptive:
         for _, name, k, j in sorted(candidates):
             if self.size() <= goal:
                 break
-            if int(self.masks[name][k].sum()) > 1:
-                self.masks[name][k][j] = False
-                self.layers[name].gates[k][j] = 0.0
+            self._switch(name, k, j)
         self._update_size()
 
     def _synchronize(self) -> None:
@@ -448,7 +466,7 @@ class RankAdaptive:
     def _active_core_params(self) -> int:
         total = 0
         for name, layer in self.layers.items():
-            r = (1, *(int(m.sum()) for m in self.masks[name]), 1)
+            r = self._ranks[name]
             for k, shape in enumerate(layer.spec.core_shapes):
                 total += math.prod(shape[1:-1]) * r[k] * r[k + 1]
         return total
@@ -488,6 +506,7 @@ class RankAdaptive:
                 self._importance[name] = [v[k] if k is not None else v
                                           for v, k in zip(self._importance[name], keep)]
         _retire(retired)
+        self._update_size()
         removed = before - sum(m.tt_params() for m in self.layers.values())
         if removed:
             self.cuts += 1
@@ -495,11 +514,16 @@ class RankAdaptive:
 
     # -- reports --------------------------------------------------------------------------------------
     def _update_size(self) -> None:
-        self._size_t.fill_(float(self.size()))
+        """Refresh what follows from the masks (size, ranks, the masked bonds) after they change."""
+        self._ranks = {name: (1, *(int(m.sum()) for m in self.masks[name]), 1) for name in self.layers}
+        self._masked = [(name, k) for name in self.layers for k, m in enumerate(self.masks[name])
+                        if int(m.sum()) < m.numel()]
+        self._size = self._active_core_params()
+        self._size_t.fill_(float(self._size))
 
     def ranks(self) -> dict[str, tuple[int, ...]]:
         """Active ranks per layer (boundary 1s included)."""
-        return {name: (1, *(int(m.sum()) for m in self.masks[name]), 1) for name in self.layers}
+        return dict(self._ranks)
 
     def allocated_ranks(self) -> dict[str, tuple[int, ...]]:
         """Ranks the cores are allocated at (>= the active ranks until the next re-allocation)."""
@@ -507,7 +531,7 @@ class RankAdaptive:
 
     def size(self) -> int:
         """S(g): sum over layers and cores of size_k * nnz(g_{k-1}) * nnz(g_k)."""
-        return self._active_core_params()
+        return self._size
 
     def model_params(self) -> int:
         """Parameters of the whole model as it is allocated now."""

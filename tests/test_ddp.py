@@ -3,6 +3,7 @@ processes (gloo, CPU, rendezvous on 127.0.0.1) exactly like one process on the s
 
 from __future__ import annotations
 
+import datetime
 import socket
 
 import pytest
@@ -12,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 STEPS = 5
+TIMEOUT = datetime.timedelta(seconds=120)  # a stuck rendezvous or collective fails the test instead of hanging it
 
 
 def _model() -> nn.Module:
@@ -41,7 +43,8 @@ def _train(model: nn.Module, xs, ys, rank: int = 0, world: int = 1) -> list[torc
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
     try:
         model = nn.parallel.DistributedDataParallel(_model())
         xs, ys = _data()
@@ -81,7 +84,8 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
     import comera_compile as cc
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
     result: dict = {"snapshots": [], "error": None}
     try:
         model = _model()
