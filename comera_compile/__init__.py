@@ -8,7 +8,8 @@ from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
 from comera_compile.memory import peak_bytes, saved_bytes
 from comera_compile.passes.memory import tempo
 from comera_compile.rank_adaptive import RankAdaptive, param_groups
-from comera_compile.passes.tensorize import PRESETS, LayerShape, TensorizeError, TensorizeSummary, tensorize
+from comera_compile.passes.tensorize import (PRESETS, LayerShape, TensorizeError, TensorizeSummary, densify,
+                                             tensorize)
 from comera_compile.report import Explanation, explain
 from comera_compile.tt import TTSpec, make_spec
 
@@ -23,6 +24,7 @@ __all__ = [
     "TTSpec",
     "make_spec",
     "tensorize",
+    "densify",
     "LayerShape",
     "TensorizeSummary",
     "TensorizeError",

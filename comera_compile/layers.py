@@ -277,7 +277,7 @@ class TTLinear(TTLayer):
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]
         if self.bias is not None and not fused:
-            y = y + self.bias
+            y = y + self.bias.to(y.dtype)  # under autocast y is in the autocast dtype, as nn.Linear's output
         return y.reshape(*lead, self.out_features)
 
     def to_dense(self) -> torch.Tensor:
@@ -416,6 +416,10 @@ class TTEmbedding(TTLayer):
         """(rows, inverse): in eager mode the distinct rows of `flat` and where each entry of it sits among
         them; while compiling (no data-dependent shapes) one row per entry and inverse None.  The padding
         row reads as zeros, so it gets no gradient."""
+        with torch.autocast(flat.device.type, enabled=False):  # nn.Embedding ignores autocast: so do we
+            return self._lookup_rows(flat, dedupe)
+
+    def _lookup_rows(self, flat: torch.Tensor, dedupe: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         training = torch.is_grad_enabled() and self.cores[0].requires_grad
         concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
         if concrete:

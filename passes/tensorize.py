@@ -21,7 +21,7 @@ from torch import nn
 
 from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLayer, TTLinear
 
-__all__ = ["tensorize", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
+__all__ = ["tensorize", "densify", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
 
 
 class TensorizeError(ValueError):
@@ -357,3 +357,46 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
                           f"is not a GraphModule.", stacklevel=2)
     result.comera_summary = summary
     return result
+
+
+@torch.no_grad()
+def _dense_layer(layer: TTLayer) -> nn.Module:
+    """The plain dense layer computing what `layer` computes (its gates folded into the weight)."""
+    ref = layer.cores[0]
+    kwargs = {"device": ref.device, "dtype": ref.dtype}
+    if isinstance(layer, TTLinear):
+        dense: nn.Module = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, **kwargs)
+        if layer.bias is not None:
+            dense.bias.copy_(layer.bias)
+    elif isinstance(layer, TTEmbeddingBag):
+        dense = nn.EmbeddingBag(layer.num_embeddings, layer.embedding_dim, mode=layer.mode,
+                                include_last_offset=layer.include_last_offset, padding_idx=layer.padding_idx,
+                                **kwargs)
+    elif isinstance(layer, TTEmbedding):
+        dense = nn.Embedding(layer.num_embeddings, layer.embedding_dim, padding_idx=layer.padding_idx, **kwargs)
+    else:
+        raise TypeError(f"densify does not know the dense form of {type(layer).__name__}")
+    dense.weight.copy_(layer.to_dense())
+    for p in dense.parameters():
+        p.requires_grad_(ref.requires_grad)
+    dense.train(layer.training)
+    return dense
+
+
+def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
+    """Every TT layer of `model` back to a plain dense layer -- TTLinear to nn.Linear, TTEmbedding to
+    nn.Embedding, TTEmbeddingBag to nn.EmbeddingBag -- holding the weight its cores and gates represent:
+    for export or serving, or for a plain model after compressed training.  Returns a copy unless
+    inplace; a model that is itself a TT layer comes back as the dense layer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"densify takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, TTLayer):
+        return _dense_layer(model)
+    layers = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, TTLayer)]
+    work = model if inplace else copy.deepcopy(model, {id(m): m for _, m in layers})
+    built: dict[int, nn.Module] = {}
+    for name, layer in layers:
+        if id(layer) not in built:  # a layer registered under two names stays one layer
+            built[id(layer)] = _dense_layer(layer)
+        _set_submodule(work, name, built[id(layer)])
+    return work

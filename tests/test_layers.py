@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
-from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
 
 FULL = 10**9  # an int rank this large is capped at every bond's maximum: an exact factorization
 
@@ -579,3 +579,27 @@ def test_ttlinear_rank_padding_is_exact_in_forward_and_gradients():
     f, names, params = _functional(layer)
     xs = torch.randn(2, 96, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(f, (xs, *params), fast_mode=True)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_autocast_gives_the_dtypes_of_the_layers_replaced(compiled):
+    """Under CPU autocast to bfloat16 nn.Linear computes in bfloat16 and nn.Embedding(Bag) in float32: the
+    TT layers built from them follow, and stay close to them."""
+    torch.manual_seed(0)
+    pairs = []
+    for bias in (True, False):
+        dense = nn.Linear(64, 48, bias=bias)
+        pairs.append((dense, TTLinear.from_dense(dense.weight, dense.bias, rank=64), torch.randn(5, 64)))
+    emb = nn.Embedding(300, 32)
+    idx = torch.randint(0, 300, (2, 7))
+    pairs.append((emb, TTEmbedding.from_dense(emb.weight, rank=64), idx))
+    bag = nn.EmbeddingBag(300, 32, mode="sum")
+    pairs.append((bag, TTEmbeddingBag.from_dense(bag.weight, mode="sum", rank=64), idx))
+    for dense, tt, x in pairs:
+        run = torch.compile(tt, backend="comera", fullgraph=True) if compiled else tt
+        with torch.autocast("cpu", torch.bfloat16):
+            want, got = dense(x), run(x)
+        assert got.dtype == want.dtype, (type(tt).__name__, got.dtype, want.dtype)
+        tol = 3e-2 if want.dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    torch._dynamo.reset()

@@ -198,3 +198,43 @@ def test_inspect_cli_prints_graph_and_table():
     assert "tt_layers_5_ffn_down" in out.stdout
     assert "layers.5.ffn_down" in out.stdout and "TTLinear" in out.stdout
     assert "44.9x smaller" in out.stdout or "x smaller" in out.stdout
+
+
+class _Mixed(nn.Module):
+    """An embedding (with padding), a bag and two linears, the first without bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(200, 64, padding_idx=3)
+        self.bag = nn.EmbeddingBag(200, 64, mode="mean")
+        self.up = nn.Linear(64, 96, bias=False)
+        self.down = nn.Linear(96, 64)
+
+    def forward(self, ids, offsets):
+        h = self.emb(ids).mean(1) + self.bag(ids.flatten(), offsets)
+        return self.down(torch.tanh(self.up(h)))
+
+
+def test_densify_matches_the_tt_model_after_rank_adaptation():
+    torch.manual_seed(0)
+    tt = cc.tensorize(_Mixed(), rank=6, min_features=1)
+    opt = torch.optim.AdamW(cc.param_groups(tt, lr=1e-2))
+    ra = cc.RankAdaptive(tt, optimizer=opt, cut_every=2, realloc_at=None)
+    ids, offsets = torch.randint(0, 200, (4, 5)), torch.arange(0, 20, 5)
+    for step in range(4):  # gates away from 1, some slices switched off but still allocated
+        tt(ids, offsets).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            with torch.no_grad():
+                tt.up.gates[1][:2] = 0.0
+        ra.step()
+    assert ra.ranks()["up"] != ra.allocated_ranks()["up"]
+    dense = cc.densify(tt)
+    kinds = {name: type(m) for name, m in dense.named_modules() if name}
+    assert kinds == {"emb": nn.Embedding, "bag": nn.EmbeddingBag, "up": nn.Linear, "down": nn.Linear}
+    assert dense.emb.padding_idx == 3 and dense.bag.mode == "mean" and dense.up.bias is None
+    with torch.no_grad():
+        want, got = tt(ids, offsets), dense(ids, offsets)
+    assert (got - want).norm() <= 1e-5 * want.norm()
+    assert cc.densify(tt.up).__class__ is nn.Linear  # a TT layer on its own

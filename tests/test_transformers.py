@@ -77,3 +77,20 @@ def test_gpt2_untie_is_explicit_and_announced():
         tt = cc.tensorize(dense, rank=8, min_features=1, tied="untie")
     assert isinstance(tt.transformer.wte, TTEmbedding)
     assert isinstance(tt.lm_head, TTLinear)
+
+
+@pytest.mark.parametrize("factory", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_densify_gives_back_plain_layers_with_the_same_logits(factory):
+    """tensorize at a low rank, then densify: every layer a plain nn.Linear / nn.Embedding again (GPT-2's
+    Conv1D comes back as nn.Linear), the logits those of the TT model."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tt = cc.tensorize(factory().eval(), rank=4, min_features=1)
+    dense = cc.densify(tt)
+    assert type(dense) is type(tt)
+    assert not any(isinstance(m, (TTLinear, TTEmbedding)) for m in dense.modules())
+    assert any(isinstance(m, TTLinear) for m in tt.modules())  # densify copied: the TT model is unchanged
+    ids = torch.randint(0, 211, (2, 9))
+    with torch.no_grad():
+        want, got = tt(ids).logits, dense(ids).logits
+    assert (got - want).norm() <= 1e-5 * want.norm()
