@@ -284,6 +284,13 @@ class TTLinear(TTLayer):
         """The dense weight in nn.Linear's layout (out_features, in_features)."""
         return cores_to_dense(list(self.cores), list(self.gates), self.spec).t()
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """nn.Linear's weight, for code that reads it (``layer.weight.dtype`` in transformers' T5): the dense
+        matrix the cores represent, built on each access (differentiable; under torch.compile an access that
+        only asks for dtype, device or shape costs nothing)."""
+        return self.to_dense()
+
     def extra_repr(self) -> str:
         s = self.spec
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -350,7 +357,9 @@ class TTEmbedding(TTLayer):
         if indices.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"{where} expects integer indices (torch.long or torch.int), got {indices.dtype}")
         flat = indices.reshape(-1).long()
-        if flat.numel() > 0 and _has_data(flat):
+        if not _has_data(flat):  # compiled or exported: a runtime assert, as a compiled nn.Embedding has
+            torch._assert_async(((flat >= 0) & (flat < self.num_embeddings)).all(), "index out of range in self")
+        elif flat.numel() > 0:
             lo, hi = torch.aminmax(flat)
             if int(lo) < 0 or int(hi) >= self.num_embeddings:
                 self._out_of_range(flat)

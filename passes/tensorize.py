@@ -233,6 +233,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     if not isinstance(model, nn.Module):
         raise TypeError(f"tensorize takes an nn.Module, got {type(model).__name__}")
     shaped_only = False
+    rank_chosen = rank is not None
     if preset is not None:
         if preset not in PRESETS:
             raise TensorizeError(f"unknown preset {preset!r}; available: {sorted(PRESETS)}")
@@ -277,9 +278,14 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         for p in m.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(m))
 
+    # nn.MultiheadAttention computes with its out_proj's weight directly, never calling the module.
+    inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
     summary = TensorizeSummary()
     plan: list[tuple[nn.Module, TTLayer]] = []
     tied_groups: list[str] = []
+    grown: list[str] = []  # kept dense: the default rank would have made them bigger
+    bigger: list[str] = []  # rewritten at the rank or shape asked for, though bigger than dense
     for name, mod in model.named_modules():
         kind = _kind(mod)
         if kind is None:
@@ -288,7 +294,9 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         shape = _find_shape(shapes, name, dims)
         explicit = include_p is not None and name in include_p
         reason = None
-        if _matches(name, exclude_p):
+        if id(mod) in inside_mha:
+            reason = "out_proj of nn.MultiheadAttention, which reads its weight directly"
+        elif _matches(name, exclude_p):
             reason = "excluded"
         elif include_p is not None and not _matches(name, include_p):
             reason = "not included"
@@ -314,7 +322,16 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         if reason is not None:
             summary.kept_dense[name] = reason
             continue
-        plan.append((mod, _build(mod, kind, rank, shape, init, d, name)))
+        new = _build(mod, kind, rank, shape, init, d, name)
+        if new.tt_params() >= dims[0] * dims[1]:
+            what = (f"{name} ({dims[0]}x{dims[1]}): {new.tt_params():,} TT parameters at ranks {new.ranks}, "
+                    f"dense {dims[0] * dims[1]:,}")
+            if not (rank_chosen or shape is not None or explicit):  # the default rank: keep it dense
+                summary.kept_dense[name] = f"no smaller as TT at the default rank ({what.split(': ', 1)[1]})"
+                grown.append(what)
+                continue
+            bigger.append(what)
+        plan.append((mod, new))
         for n in names_of[id(mod)]:
             summary.rewritten[n] = f"{type(plan[-1][1]).__name__} (from {type(mod).__name__})"
 
@@ -330,6 +347,14 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         else:
             warnings.warn(f"tensorize: {groups} shared one weight and are now UNTIED: each tensorizable one "
                           f"got its own TT factorization (tied='untie').", stacklevel=2)
+
+    if grown:
+        warnings.warn(f"tensorize: kept {len(grown)} layer(s) dense: at the default rank their TT form would "
+                      f"have no fewer parameters ({'; '.join(grown[:4])}{'; ...' if len(grown) > 4 else ''}). "
+                      f"Pass a smaller rank to tensorize them.", stacklevel=2)
+    if bigger:
+        warnings.warn(f"tensorize: {len(bigger)} layer(s) are no smaller as TT at the rank or shape asked for "
+                      f"({'; '.join(bigger[:4])}{'; ...' if len(bigger) > 4 else ''}).", stacklevel=2)
 
     # Nothing below can fail on bad input: all replacements are built.
     if inplace:

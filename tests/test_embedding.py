@@ -408,3 +408,33 @@ def test_dlrm_example_smoke():
     for key in ("dense_auc", "tt_auc", "teacher_auc", "dense_logloss", "tt_logloss", "dense_step_ms", "tt_step_ms"):
         assert math.isfinite(r[key]), key
     assert 0.5 < r["teacher_auc"] <= 1
+
+
+class _Lookup(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, idx):
+        return self.layer(idx)
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["embedding", "bag"])
+def test_out_of_range_indices_raise_eager_compiled_and_exported(bag):
+    """Eager raises nn.Embedding's IndexError; compiled and exported programs raise at run time as a compiled
+    nn.Embedding does (RuntimeError), never a wrapped-around row."""
+    torch.manual_seed(0)
+    layer = TTEmbeddingBag(256, 16, mode="sum", rank=4) if bag else TTEmbedding(256, 16, rank=4)
+    good = torch.tensor([[0, 5, 255]])
+    compiled = torch.compile(_Lookup(layer), backend="comera", fullgraph=True)
+    exported = torch.export.export(_Lookup(layer), (good,)).module()
+    for run in (compiled, exported):
+        torch.testing.assert_close(run(good), layer(good))
+    for bad in (256, -1, 300):
+        idx = torch.tensor([[0, bad, 7]])
+        with pytest.raises(IndexError):
+            layer(idx)
+        for run in (compiled, exported):
+            with pytest.raises(RuntimeError, match="index out of range"):
+                run(idx)
+    torch._dynamo.reset()

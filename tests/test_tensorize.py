@@ -238,3 +238,17 @@ def test_densify_matches_the_tt_model_after_rank_adaptation():
         want, got = tt(ids, offsets), dense(ids, offsets)
     assert (got - want).norm() <= 1e-5 * want.norm()
     assert cc.densify(tt.up).__class__ is nn.Linear  # a TT layer on its own
+
+
+def test_default_rank_never_makes_a_layer_bigger():
+    """64 x 64 at the default rank 30 would have more TT parameters than its 4,096 dense ones: it stays dense,
+    with the reason in the summary and a warning; a rank the user picks is honoured, with a warning."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(1024, 1024))
+    with pytest.warns(UserWarning, match="kept 1 layer"):
+        tt = cc.tensorize(model, min_features=1)
+    assert isinstance(tt.get_submodule("0"), nn.Linear) and "default rank" in tt.comera_summary.kept_dense["0"]
+    big = tt.get_submodule("2")
+    assert isinstance(big, TTLinear) and big.tt_params() < 1024 * 1024
+    with pytest.warns(UserWarning, match="no smaller as TT at the rank"):
+        chosen = cc.tensorize(nn.Sequential(nn.Linear(64, 64)), rank=30, min_features=1)
+    assert isinstance(chosen.get_submodule("0"), TTLinear)

@@ -94,3 +94,37 @@ def test_densify_gives_back_plain_layers_with_the_same_logits(factory):
     with torch.no_grad():
         want, got = tt(ids).logits, dense(ids).logits
     assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+def test_t5_reads_its_tt_layers_weight_dtype_and_trains():
+    cfg = transformers.T5Config(vocab_size=211, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tt = cc.tensorize(model, rank=8, min_features=1)
+    assert isinstance(tt.encoder.block[0].layer[1].DenseReluDense.wo, TTLinear)
+    ids = torch.randint(0, 211, (2, 7))
+    out = tt(input_ids=ids, labels=ids)
+    out.loss.backward()
+    wo = tt.encoder.block[0].layer[1].DenseReluDense.wo
+    torch.testing.assert_close(wo.weight, wo.to_dense())
+    assert wo.cores[0].grad is not None
+
+
+def test_transformer_encoder_keeps_attention_out_proj_dense_and_runs():
+    layer = torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tt = cc.tensorize(enc, rank=8, min_features=1)
+    assert isinstance(tt.layers[0].linear1, TTLinear)
+    assert isinstance(tt.layers[0].self_attn.out_proj, torch.nn.Linear)
+    assert "MultiheadAttention" in tt.comera_summary.kept_dense["layers.0.self_attn.out_proj"]
+    x = torch.randn(2, 5, 64)
+    tt(x).sum().backward()
+    assert tt.layers[0].linear1.cores[0].grad is not None
+    tt.eval()  # eval under no_grad takes nn.TransformerEncoderLayer's fused path, which reads the weights
+    with torch.no_grad():
+        want, got = cc.densify(tt)(x), tt(x)
+    assert (got - want).norm() <= 1e-5 * want.norm()
