@@ -52,12 +52,16 @@ def _inspect(args: argparse.Namespace) -> int:
         kwargs["rank"] = args.rank
     dense_params = sum(p.numel() for p in model.parameters())
     tt = cc.tensorize(model, inplace=True, **kwargs)
-    if isinstance(tt, torch.fx.GraphModule):
+    try:  # the rewritten graph, traced on demand for display
+        from comera_compile.passes.tensorize import _trace
+
+        code = _trace(tt).code.strip()
         print(f"# rewritten graph of {type(model).__name__} (torch.fx)")
-        print(tt.code.strip())
+        print(code)
         print()
-    else:
-        print(f"# {type(model).__name__} was rewritten module by module (torch.fx could not trace it)\n")
+    except Exception as e:  # torch.fx raises many kinds of errors for untraceable code
+        print(f"# {type(model).__name__}: no torch.fx graph to show ({type(e).__name__}); its layers were "
+              f"rewritten module by module\n")
     print(cc.explain(tt, rows=args.rows))
     print(f"\n{type(model).__name__}: {dense_params:,} dense parameters; done in {time.perf_counter() - t0:.1f} s")
     return 0

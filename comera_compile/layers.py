@@ -26,6 +26,9 @@ DEFAULT_TAU = 1e-6
 
 _INITS = ("random", "svd")
 
+# The row count whose plan serves row counts unknown at trace time (exported programs, symbolic batches).
+EXPORT_ROWS = 4096
+
 
 def _check_init(init: str) -> None:
     if init not in _INITS:
@@ -260,7 +263,11 @@ class TTLinear(TTLayer):
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
         x2 = x2.reshape(rows, *spec.in_modes)
         training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_exporting():
+            # An exported program serves every row count: one plan (any plan computes the same product), no
+            # guard on the row count.
+            program = network.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
+        elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
             thresholds, programs = network.tt_linear_segments(spec, training, x.requires_grad)
@@ -436,9 +443,9 @@ class TTEmbedding(TTLayer):
             groups, program = network.ttm_lookup_program(self.spec, keys.shape[0], training, True)
         else:
             keys, inverse = flat, None
-            rows = flat.shape[0]
-            groups, program = network.ttm_lookup_program(
-                self.spec, rows if isinstance(rows, int) else 4096, training, False)
+            # Compiling (the row count may be symbolic, and a plan per count would recompile per batch size):
+            # the plan of a typical batch, which computes the same rows as any other.
+            groups, program = network.ttm_lookup_program(self.spec, EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)

@@ -2,7 +2,8 @@
 
 BERT-like: d_model 768, 12 heads, FFN 3072, GELU, post-LayerNorm, dropout 0.1, vocabulary 30522, 512
 positions, 2 segments, a d -> d (tanh) -> classes head.  Written so torch.fx can trace it (the optional
-inputs are resolved inside wrapped functions), which lets tensorize return a readable GraphModule.
+inputs are resolved inside wrapped functions), which lets tensorize(trace=True) return a readable
+GraphModule.
 
 Run it: ``python -m comera_compile.examples.six_encoder`` prints the dense and tensorized sizes.
 """

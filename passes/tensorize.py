@@ -1,10 +1,13 @@
 """Rewrite a model's dense layers (nn.Linear, nn.Embedding, nn.EmbeddingBag, transformers' Conv1D) into TT
-layers.
+layers.  Takes an nn.Module.
 
-Where torch.fx can trace the model the result is a GraphModule whose chosen layers are TT-layer
-call_module nodes (``print(gm.code)`` shows the graph); where it cannot (transformers models, Python
-control flow on tensors) the same layers are swapped module by module, with a warning.  Everything that
-can fail is checked before anything is swapped, so an error leaves the user's model exactly as it was.
+By default the layers are swapped module by module: the result is the user's own model (its class,
+methods, containers and train/eval behaviour) with TT layers inside; the graph the compiler rewrites is
+dynamo's, under torch.compile.  ``trace=True`` asks for a torch.fx GraphModule instead, whose TT layers are
+``tt_<name>`` call_module nodes (``print(gm.code)`` shows them); where torch.fx cannot trace the model, or
+its graph differs between train and eval mode (code reading ``self.training``, which a trace would freeze),
+the layers are swapped module by module, with a warning.  Everything that can fail is checked before
+anything is swapped, so an error leaves the user's model exactly as it was.
 """
 
 from __future__ import annotations
@@ -177,7 +180,23 @@ class _Tracer(torch.fx.Tracer):
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
+def _mode_dependent(model: nn.Module) -> bool:
+    """Whether the model's traced graph differs between train and eval mode: a GraphModule would freeze
+    the mode it was traced in (dropout after eval(), or none after train())."""
+    was_training = model.training
+    try:
+        codes = []
+        for mode in (True, False):
+            model.train(mode)
+            codes.append(torch.fx.GraphModule(model, _Tracer().trace(model)).code)
+        return codes[0] != codes[1]
+    finally:
+        model.train(was_training)
+
+
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
+    if _mode_dependent(model):
+        raise TypeError("its graph depends on train/eval mode (it reads self.training), which a trace freezes")
     tracer = _Tracer()
     graph = tracer.trace(model)
     name = type(model).__name__
@@ -210,7 +229,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
               shapes: Mapping[Any, Any] | None = None, include: str | Iterable[str] | None = None,
               exclude: str | Iterable[str] | None = None, min_features: int = 64, init: str = "random",
               d: int | None = None, preset: str | None = None, tied: str = "keep",
-              inplace: bool = False, trace: bool = True) -> nn.Module:
+              inplace: bool = False, trace: bool = False) -> nn.Module:
     """Rewrite the model's dense layers into TT layers and return the rewritten model.
 
     rank: one int (capped per bond at its largest meaningful value) or a list of internal ranks;
@@ -226,7 +245,8 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     tied: what to do with layers sharing a weight with another module: "keep" leaves them dense (and
         tied), "untie" tensorizes each separately.  Either way a warning says which.
     inplace: swap the layers inside `model` itself instead of a copy.
-    trace: try torch.fx first (returns a GraphModule); False goes module by module directly.
+    trace: False (default) swaps the layers inside the model, which keeps its class and methods; True returns
+        a torch.fx GraphModule where the model can be traced and its graph does not depend on train/eval.
 
     The returned model carries a TensorizeSummary as ``comera_summary``.
     """
@@ -377,7 +397,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
             summary.traced = True
         except Exception as e:  # torch.fx raises many kinds of errors for untraceable code
             summary.trace_error = f"{type(e).__name__}: {e}".split("\n")[0]
-            warnings.warn(f"tensorize: torch.fx cannot trace {type(model).__name__} ({summary.trace_error}); "
+            warnings.warn(f"tensorize: no torch.fx graph for {type(model).__name__} ({summary.trace_error}); "
                           f"rewrote its layers module by module instead, so the result keeps its class and "
                           f"is not a GraphModule.", stacklevel=2)
     result.comera_summary = summary

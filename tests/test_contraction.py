@@ -38,7 +38,7 @@ def _grads(model, x):
 def test_expanded_graph_matches_layer_outputs_and_gradients(shape, training):
     torch.manual_seed(0)
     dense = TwoLayer().double()
-    gm = cc.tensorize(dense, rank=4, min_features=1).train(training)
+    gm = cc.tensorize(dense, rank=4, min_features=1, trace=True).train(training)
     expanded = expand_contractions(copy.deepcopy(gm), (torch.zeros(shape, dtype=torch.float64),))
     assert not any(n.op == "call_module" and isinstance(expanded.get_submodule(n.target), TTLinear)
                    for n in expanded.graph.nodes)
@@ -59,7 +59,7 @@ def test_expanded_graph_matches_layer_outputs_and_gradients(shape, training):
 
 def test_expanded_code_shows_the_order_with_flops():
     torch.manual_seed(0)
-    gm = cc.tensorize(TwoLayer(), rank=4, min_features=1)
+    gm = cc.tensorize(TwoLayer(), rank=4, min_features=1, trace=True)
     expanded = expand_contractions(gm, (torch.zeros(16, 37),))
     code = expanded.code
     plan = gm.up.plan(16)
@@ -73,7 +73,7 @@ def test_expanded_code_shows_the_order_with_flops():
 
 
 def test_plan_follows_the_real_row_count():
-    gm = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), rank=30, min_features=1)
+    gm = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), rank=30, min_features=1, trace=True)
     small = expand_contractions(copy.deepcopy(gm), (torch.zeros(1, 768),))
     large = expand_contractions(copy.deepcopy(gm), (torch.zeros(4096, 768),))
     eq = lambda g: [n.meta["comera_contraction"] for n in g.graph.nodes if "comera_contraction" in n.meta]
@@ -83,14 +83,14 @@ def test_plan_follows_the_real_row_count():
 def test_six_encoder_expands_and_matches():
     torch.manual_seed(0)
     m = six_encoder.build(layers=1, vocab_size=100, d_model=48, heads=4, ffn=96, max_positions=32).double()
-    gm = cc.tensorize(m, rank=5, min_features=40).eval()
+    gm = cc.tensorize(m, rank=5, min_features=40, trace=True).eval()
     ids, seg, mask = six_encoder.example_inputs(m, batch=2, seq=5)
     expanded = expand_contractions(copy.deepcopy(gm), (ids, seg, mask))
     torch.testing.assert_close(expanded(ids, seg, mask), gm(ids, seg, mask), rtol=1e-10, atol=1e-12)
 
 
 def test_needs_shapes_and_a_graph_module():
-    gm = cc.tensorize(TwoLayer(), rank=4, min_features=1)
+    gm = cc.tensorize(TwoLayer(), rank=4, min_features=1, trace=True)
     with pytest.raises(ValueError, match="example_inputs"):
         expand_contractions(gm)
     with pytest.raises(TypeError, match="GraphModule"):

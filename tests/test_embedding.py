@@ -438,3 +438,36 @@ def test_out_of_range_indices_raise_eager_compiled_and_exported(bag):
             with pytest.raises(RuntimeError, match="index out of range"):
                 run(idx)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag], ids=["embedding", "bag"])
+def test_compiled_fullgraph_serves_every_batch_size(cls):
+    torch.manual_seed(0)
+    layer = cls(1000, 32, rank=8)
+    run = torch.compile(layer, backend="comera", fullgraph=True)
+    for n in (5, 9, 17, 33):  # the second size makes dynamo recompile with a symbolic batch
+        idx = torch.randint(0, 1000, (2, n))
+        torch.testing.assert_close(run(idx), layer(idx))
+    torch._dynamo.reset()
+
+
+class _Tower(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(500, 64)
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.emb(ids).mean(1))))
+
+
+def test_tensorized_model_exports_with_a_dynamic_batch_from_1_to_4096():
+    torch.manual_seed(0)
+    model = cc.tensorize(_Tower(), rank=8, min_features=1).eval()
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    program = torch.export.export(model, (torch.randint(0, 500, (8, 7)),), dynamic_shapes={"ids": {0: batch}})
+    exported = program.module()
+    for n in (1, 3, 64, 4096):
+        ids = torch.randint(0, 500, (n, 7))
+        torch.testing.assert_close(exported(ids), model(ids), rtol=1e-5, atol=1e-6)

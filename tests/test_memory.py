@@ -560,7 +560,7 @@ def test_tempo_graph_composes_with_tensorize():
 
     torch.manual_seed(0)
     model = six_encoder.build(**SMALL)
-    tt = cc.tensorize(model, rank=4, min_features=16)
+    tt = cc.tensorize(model, rank=4, min_features=16, trace=True)
     gm = M.tempo_graph(tt)
     assert gm.tempo_summary.counts()["attention"] == 1
     assert any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), TTLinear)

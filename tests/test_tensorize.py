@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import comera_compile as cc
@@ -58,8 +59,9 @@ def test_six_encoder_preset_parameter_count_matches_formula():
     total = sum(p.numel() for p in tt.parameters())
     assert total == expected
     assert dense_params / total >= 40
-    assert isinstance(tt, torch.fx.GraphModule)
-    assert "tt_layers_0_ffn_up" in tt.code
+    assert type(tt) is type(dense)  # the user's model, its layers swapped
+    traced = cc.tensorize(six_encoder.build(layers=1), preset="comera-six-encoder", trace=True)
+    assert isinstance(traced, torch.fx.GraphModule) and "tt_layers_0_ffn_up" in traced.code
     ranks = {n: m.ranks for n, m in tt.named_modules() if isinstance(m, TTLinear)}
     assert ranks["layers.3.attention.v"] == (1, 12, 30, 30, 30, 12, 1)
     assert ranks["layers.3.ffn_up"] == (1, 12, 30, 30, 30, 16, 1)
@@ -73,7 +75,7 @@ def test_full_rank_svd_reproduces_dense_model(dtype, tol):
     snap = _snapshot(dense)
     tt = cc.tensorize(dense, rank=FULL, init="svd", min_features=1).eval()
     _assert_untouched(dense, snap)  # inplace=False: the user's model is not modified
-    assert isinstance(tt, torch.fx.GraphModule)
+    assert type(tt) is type(dense)
     n_tt = sum(isinstance(m, (TTLinear, TTEmbedding)) for m in tt.modules())
     assert n_tt == len(tt.comera_summary.rewritten) > 10
     ids, seg, mask = six_encoder.example_inputs(dense, batch=3, seq=11)
@@ -156,7 +158,7 @@ def test_untraceable_model_falls_back_module_by_module_with_warning():
     torch.manual_seed(0)
     m = Branchy().double()
     with pytest.warns(UserWarning, match="module by module"):
-        tt = cc.tensorize(m, rank=FULL, init="svd")
+        tt = cc.tensorize(m, rank=FULL, init="svd", trace=True)
     assert type(tt) is Branchy and not tt.comera_summary.traced
     x = torch.randn(5, 64, dtype=torch.float64)
     for sign in (1, -1):
@@ -252,3 +254,55 @@ def test_default_rank_never_makes_a_layer_bigger():
     with pytest.warns(UserWarning, match="no smaller as TT at the rank"):
         chosen = cc.tensorize(nn.Sequential(nn.Linear(64, 64)), rank=30, min_features=1)
     assert isinstance(chosen.get_submodule("0"), TTLinear)
+
+
+class _TrainEval(nn.Module):
+    """User code that reads self.training: functional dropout and a train-only branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 64)
+
+    def forward(self, x):
+        h = F.dropout(torch.relu(self.up(x)), 0.5, training=self.training)
+        if self.training:
+            h = h + 0.0 * h.sum()
+        return self.down(h)
+
+    def double_it(self, x):
+        return 2 * self(x)
+
+
+@pytest.mark.parametrize("start", ["train", "eval"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_train_eval_switching_is_honoured_after_tensorize(start, compiled):
+    torch.manual_seed(0)
+    model = _TrainEval().train(start == "train")
+    tt = cc.tensorize(model, rank=8, min_features=1)
+    assert type(tt) is _TrainEval and tt.double_it(torch.zeros(1, 64)).shape == (1, 64)
+    run = torch.compile(tt, backend="comera") if compiled else tt
+    x = torch.randn(32, 64)
+    for mode in (("eval", "train") if start == "train" else ("train", "eval")):
+        tt.train(mode == "train")
+        a, b = run(x), run(x)
+        if mode == "eval":
+            torch.testing.assert_close(a, b)  # no dropout in eval mode
+        else:
+            assert not torch.allclose(a, b)  # dropout in train mode
+    torch._dynamo.reset()
+
+
+def test_trace_of_a_mode_dependent_model_falls_back_to_the_users_module():
+    with pytest.warns(UserWarning, match="train/eval"):
+        tt = cc.tensorize(_TrainEval(), rank=8, min_features=1, trace=True)
+    assert type(tt) is _TrainEval and not tt.comera_summary.traced
+
+
+def test_containers_stay_containers():
+    seq = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    tt = cc.tensorize(seq, rank=4)
+    assert type(tt) is nn.Sequential and len(tt) == 3 and isinstance(tt[0], TTLinear)
+    assert [type(m) for m in tt] == [TTLinear, nn.ReLU, TTLinear]
+    tt.append(nn.Tanh())
+    assert tt(torch.randn(2, 256)).shape == (2, 256)
