@@ -4,6 +4,7 @@ Public API only; see README.md for a quick start.
 """
 
 from comera_compile.backend import comera_backend, compile_step, register as _register_backend
+from comera_compile.checkpoint import from_pretrained, save_pretrained
 from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
 from comera_compile.memory import peak_bytes, saved_bytes
 from comera_compile.passes.memory import tempo
@@ -25,6 +26,8 @@ __all__ = [
     "make_spec",
     "tensorize",
     "densify",
+    "save_pretrained",
+    "from_pretrained",
     "LayerShape",
     "TensorizeSummary",
     "TensorizeError",

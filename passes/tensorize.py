@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -22,6 +23,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from comera_compile.checkpoint import save_pretrained
 from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLayer, TTLinear
 
 __all__ = ["tensorize", "densify", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
@@ -400,6 +402,10 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
             warnings.warn(f"tensorize: no torch.fx graph for {type(model).__name__} ({summary.trace_error}); "
                           f"rewrote its layers module by module instead, so the result keeps its class and "
                           f"is not a GraphModule.", stacklevel=2)
+    if not summary.traced and hasattr(result, "config") and callable(getattr(result, "save_pretrained", None)):
+        # A transformers model: its own save_pretrained would write TT weights that the dense class then
+        # "loads" with fresh layers; this one records the layout for cc.from_pretrained instead.
+        result.save_pretrained = functools.partial(save_pretrained, result)
     result.comera_summary = summary
     return result
 

@@ -128,3 +128,100 @@ def test_transformer_encoder_keeps_attention_out_proj_dense_and_runs():
     with torch.no_grad():
         want, got = cc.densify(tt)(x), tt(x)
     assert (got - want).norm() <= 1e-5 * want.norm()
+
+
+def _t5():  # T5's attention drops out functionally at config.dropout_rate: 0 here, for comparable runs
+    cfg = transformers.T5Config(vocab_size=211, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                decoder_start_token_id=0, dropout_rate=0.0)
+    return transformers.T5ForConditionalGeneration(cfg)
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _batch(name):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 211, (2, 9), generator=g)
+    if name == "bert":
+        return {"input_ids": ids, "labels": torch.tensor([0, 2])}
+    return {"input_ids": ids, "labels": ids}
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("t5", _t5), ("llama", _llama)])
+def test_family_trains_eager_and_compiled_and_round_trips(name, factory, tmp_path):
+    """tensorize, a training step eager and one under backend "comera" (its logits those of eager at the same
+    weights), then save_pretrained and cc.from_pretrained: identical logits; a dense from_pretrained of the
+    folder fails."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tt = _no_dropout(cc.tensorize(factory(), rank=8, min_features=32))
+    assert any(isinstance(m, TTLinear) for m in tt.modules())
+    opt = torch.optim.AdamW(cc.param_groups(tt, lr=1e-3))
+    batch = _batch(name)
+    tt(**batch).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        eager = tt(**batch).logits
+    out = torch.compile(tt, backend="comera")(**batch)
+    torch.testing.assert_close(out.logits.detach(), eager, rtol=1e-4, atol=1e-4)
+    out.loss.backward()
+    opt.step()
+    opt.zero_grad()
+    tt.eval()
+    with torch.no_grad():
+        want = tt(**batch).logits
+    tt.save_pretrained(tmp_path)
+    with pytest.raises(OSError):
+        type(tt).from_pretrained(tmp_path)  # the dense class finds no weights it could load: loud, not wrong
+    back = cc.from_pretrained(type(tt), tmp_path).eval()
+    with torch.no_grad():
+        assert torch.equal(back(**batch).logits, want)
+    torch._dynamo.reset()
+
+
+def test_transformer_encoder_trains_compiled_and_round_trips_through_state_dict():
+    def build():
+        layer = torch.nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return cc.tensorize(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8,
+                                min_features=32)
+
+    torch.manual_seed(0)
+    tt = build()
+    opt = torch.optim.AdamW(cc.param_groups(tt, lr=1e-3))
+    ra = cc.RankAdaptive(tt, optimizer=opt, cut_every=1, realloc_at=1.0)
+    compiled = torch.compile(tt, backend="comera")
+    x = torch.randn(2, 5, 64)
+    for step, run in enumerate((tt, compiled)):
+        run(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            with torch.no_grad():
+                tt.layers[0].linear1.gates[2][:3] = 0.0
+        ra.step()  # the second check re-allocates linear1 at smaller ranks
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), tt(x), rtol=1e-4, atol=1e-5)  # after the re-allocation
+    tt.eval()
+    with torch.no_grad():
+        want = tt(x)
+    torch.manual_seed(5)
+    back = build().eval()  # freshly tensorized: full ranks, other values
+    back.load_state_dict(tt.state_dict())
+    assert back.layers[0].linear1.ranks == tt.layers[0].linear1.ranks
+    with torch.no_grad():
+        assert torch.equal(back(x), want)
+    torch._dynamo.reset()
