@@ -3,24 +3,25 @@ slices cut out of the cores for real.
 
 Between consecutive TT cores sits diag(g); training minimises (task loss L, model size S(g)).
 
-The rule.  After every optimizer step, each layer is put in a balanced gauge (a change of the cores' and
-gates' scales that leaves the layer's function exactly as it was): for every bond, the left half of the
-train has unit-norm columns and the right half rows of equal norm, so a gate entry is the Frobenius norm of
-its rank slice's term in W relative to the bond's strongest term (the largest gate of a bond is 1).  The l1
-penalty on gates in this gauge is the factored (variational) form of the nuclear norm of the bond's
-unfolding, the convex stand-in for its rank; it acts through a proximal step, soft-thresholding every gate
-by ``gamma`` times the gate's learning rate (as structured-sparsity methods do for a group lasso, rather
-than adding a small gradient to the loss).  Under Adam, whose steps are normalised per entry, a gate moves
-by about its learning rate per step when the task needs it and much less when its gradient is noise, so
-``gamma`` (a fraction of that step) means the same for a 64- or a 4096-wide layer and for 1 or 100
-layers: a slice survives while the task pulls it harder than gamma, and the others reach exactly zero.
-Being scale-invariant, the gauge also closes the trap of an l1 penalty on raw gates (gates shrink while the
-cores grow).  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding, the
-optimizer's moments carried over as described in ``canonicalize``), so that redundant slices, which a
-random start spreads over every slice, become zero gates for the proximal step; gates it has driven to zero
-(below ``tau``) are then switched off.  Small gates are not switched off for being small: gradient descent
-learns a factorized map's directions strongest first, and a weak direction still being learned sits in a
-small gate that the task keeps pulling.
+The rule. Every few optimizer steps (BALANCE_EVERY), each layer is put in a balanced gauge (a change of the
+cores' and gates' scales that leaves the layer's function exactly as it was): for every bond, the left half
+of the train has unit-norm columns and the right half rows of equal norm, so a gate entry is the Frobenius
+norm of its rank slice's term in W relative to the bond's strongest term (the largest gate of a bond is 1).
+The l1 penalty on gates in this gauge is the factored (variational) form of the nuclear norm of the bond's
+unfolding -- equal to it when the slices are the singular directions, above it otherwise -- the convex
+stand-in for its rank; after every optimizer step it acts through a proximal step, soft-thresholding every
+gate by ``gamma`` times the gate's learning rate (as structured-sparsity methods do for a group lasso,
+rather than adding a small gradient to the loss). Under Adam, whose steps are normalised per entry, a gate
+moves by about its learning rate per step when the task needs it and much less when its gradient is noise,
+so ``gamma`` (a fraction of that step) means the same for a 64- or a 4096-wide layer and for 1 or 100
+layers: a slice survives while the task pulls it harder than gamma, and the others reach exactly zero. Being
+scale-invariant, the gauge also closes the trap of an l1 penalty on raw gates (gates shrink while the cores
+grow). Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding, the optimizer's
+moments carried over as described in ``canonicalize``), so that redundant slices, which a random start
+spreads over every slice, become zero gates for the proximal step; gates it has driven to zero (below
+``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
+factorized map's directions strongest first, and a weak direction still being learned sits in a small gate
+that the task keeps pulling.
 
 Late stage (optional, ``target_ratio`` and ``late_stage_at``): toward the point (target loss, target_ratio x
 size at the switch).  At every cut interval, when the size is further from its target than the loss from its
@@ -313,7 +314,8 @@ class RankAdaptive:
         ra = self
 
         class RankAdaptiveCallback(TrainerCallback):
-            def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                            **kwargs: Any) -> None:
                 if ra.optimizer is None and optimizer is not None:
                     ra.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
                 ra.step()
@@ -330,9 +332,10 @@ class RankAdaptive:
 
     @torch.no_grad()
     def step(self) -> bool:
-        """After optimizer.step(): balance, shrink the gates (proximal step), switch off gates below tau,
-        advance the schedule; every cut_every steps prune toward the late stage's target and re-allocate
-        when due.  Returns True when the cores were re-allocated (new Parameters)."""
+        """After optimizer.step(): shrink the gates (proximal step, in the balanced gauge) and advance the
+        schedule; every cut_every steps round every bond to its singular basis, switch off the gates under
+        tau, prune toward the late stage's target and re-allocate when due.  Returns True when the cores
+        were re-allocated (new Parameters)."""
         self.steps += 1
         if self._last_loss is not None:
             self._loss_ema = self._last_loss if self._loss_ema is None else (
