@@ -182,27 +182,26 @@ class _Tracer(torch.fx.Tracer):
         return super().create_node(kind, target, args, kwargs, name, type_expr)
 
 
-def _mode_dependent(model: nn.Module) -> bool:
-    """Whether the model's traced graph differs between train and eval mode: a GraphModule would freeze
-    the mode it was traced in (dropout after eval(), or none after train())."""
+def _trace_both_modes(model: nn.Module) -> torch.fx.Graph:
+    """The model's graph in its current mode, after checking that a trace in the other mode gives the same
+    code: a GraphModule freezes the mode it was traced in (dropout after eval(), or none after train())."""
     was_training = model.training
+    graphs = {}
     try:
-        codes = []
-        for mode in (True, False):
+        for mode in (was_training, not was_training):
             model.train(mode)
-            codes.append(torch.fx.GraphModule(model, _Tracer().trace(model)).code)
-        return codes[0] != codes[1]
+            graphs[mode] = _Tracer().trace(model)
     finally:
         model.train(was_training)
+    if torch.fx.GraphModule(model, graphs[True]).code != torch.fx.GraphModule(model, graphs[False]).code:
+        raise TypeError("its graph depends on train/eval mode (it reads self.training), which a trace freezes")
+    return graphs[was_training]
 
 
 def _trace(model: nn.Module) -> torch.fx.GraphModule:
-    if _mode_dependent(model):
-        raise TypeError("its graph depends on train/eval mode (it reads self.training), which a trace freezes")
-    tracer = _Tracer()
-    graph = tracer.trace(model)
+    graph = _trace_both_modes(model)
     name = type(model).__name__
-    gm = torch.fx.GraphModule(tracer.root, graph, name)
+    gm = torch.fx.GraphModule(model, graph, name)
     # GraphModule copies only what the graph uses, under plain containers.  Put the model's own children,
     # parameters and buffers back, so gm.layers[0] works and state_dict keys match the original model.
     for child_name, child in model._modules.items():  # not named_children(): keep aliases of one module
