@@ -243,7 +243,7 @@ class TTLinear(TTLayer):
         """The gated cores as the contraction takes them: zero-padded to gemm_spec's ranks, boundary
         ranks dropped."""
         cores = self.gated_cores()
-        for k, pad in enumerate(gemm_core_padding(self.spec)):
+        for k, pad in enumerate(gemm_core_padding(self.spec.key())):
             if pad is not None:
                 cores[k] = F.pad(cores[k], pad)
         cores[0] = cores[0].reshape(cores[0].shape[1], cores[0].shape[2])
@@ -270,7 +270,7 @@ class TTLinear(TTLayer):
         elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
-            thresholds, programs = network.tt_linear_segments(spec, training, x.requires_grad)
+            thresholds, programs = network.tt_linear_segments(spec.key(), training, x.requires_grad)
             segment = 0
             for t in thresholds:
                 if rows >= t:
@@ -440,12 +440,12 @@ class TTEmbedding(TTLayer):
         concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
         if concrete:
             keys, inverse = torch.unique(flat, return_inverse=True)
-            groups, program = network.ttm_lookup_program(self.spec, keys.shape[0], training, True)
+            groups, program = network.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
         else:
             keys, inverse = flat, None
             # Compiling (the row count may be symbolic, and a plan per count would recompile per batch size):
             # the plan of a typical batch, which computes the same rows as any other.
-            groups, program = network.ttm_lookup_program(self.spec, EXPORT_ROWS, training, False)
+            groups, program = network.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)

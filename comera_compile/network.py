@@ -482,7 +482,7 @@ MIN_SEGMENT_WIDTH = 4
 
 
 @torch.compiler.assume_constant_result
-def tt_linear_segments(spec: TTSpec, training: bool = True,
+def tt_linear_segments(spec: TTSpec | tuple, training: bool = True,
                        input_requires_grad: bool = True) -> tuple[tuple[int, ...], tuple[tuple, ...]]:
     """Every row count's best plan, as (thresholds, programs): rows < thresholds[0] use programs[0],
     thresholds[0] <= rows < thresholds[1] programs[1], and so on.
@@ -491,8 +491,8 @@ def tt_linear_segments(spec: TTSpec, training: bool = True,
     intervals are found exactly by bisection between sampled row counts.  Under torch.compile this is a
     constant, and comparing the (possibly symbolic) row count with the thresholds picks the program: a
     dynamic batch dimension recompiles only where the best plan changes, never per size.  Like
-    tt_linear_program, the programs run at gemm_spec(spec)'s ranks."""
-    return _segments(gemm_spec(spec), training, input_requires_grad)
+    tt_linear_program, the programs run at gemm_spec(spec)'s ranks.  spec may be a TTSpec.key()."""
+    return _segments(gemm_spec(TTSpec.of(spec)), training, input_requires_grad)
 
 
 @lru_cache(maxsize=1024)
@@ -713,8 +713,9 @@ def lookup_bucket(rows: int) -> int:
 
 
 @torch.compiler.assume_constant_result
-def ttm_lookup_program(spec: TTSpec, rows: int, training: bool = True, dedupe: bool = True
+def ttm_lookup_program(spec: TTSpec | tuple, rows: int, training: bool = True, dedupe: bool = True
                        ) -> tuple[tuple[tuple[int, int, str], ...], tuple]:
-    """(groups, program) of plan_ttm_lookup, as a constant under torch.compile."""
-    plan = plan_ttm_lookup(spec, lookup_bucket(rows), training, dedupe)
+    """(groups, program) of plan_ttm_lookup, as a constant under torch.compile (spec may be a
+    TTSpec.key())."""
+    plan = plan_ttm_lookup(TTSpec.of(spec), lookup_bucket(rows), training, dedupe)
     return plan.groups, plan.program

@@ -227,14 +227,17 @@ class RankAdaptive:
     re-allocation when at least half the allocated TT parameters are switched off (``realloc_at``; None
     keeps the allocation until an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training, such
     as FSDP or the transformers Trainer).  ``prox_lr`` is the gate learning rate the proximal step assumes
-    while no optimizer is attached.
+    while no optimizer is attached.  ``share_allocation`` (default) re-allocates layers of equal shape at
+    equal ranks (the largest active rank among them, bond by bond; the rest of a layer's extra slices stay
+    switched off), so repeated blocks keep sharing one compiled graph and a re-allocation costs one
+    recompile, not one per block; False allocates every layer at its own active ranks.
     """
 
     def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
                  target_ratio: float | None = None, target_loss: float | None = None,
                  late_stage_at: int | None = None, cut_every: int = 100,
                  optimizer: torch.optim.Optimizer | None = None, realloc_at: float | None = 2.0,
-                 prox_lr: float = 1e-3) -> None:
+                 prox_lr: float = 1e-3, share_allocation: bool = True) -> None:
         if not (isinstance(tau, (int, float)) and tau > 0):
             raise ValueError(f"tau must be a positive number (gates below it switch off), got {tau!r}")
         if not (isinstance(gamma, (int, float)) and gamma >= 0):
@@ -256,7 +259,7 @@ class RankAdaptive:
         self.model, self.tau, self.gamma = model, float(tau), float(gamma)
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
         self.cut_every, self.optimizer, self.realloc_at = cut_every, optimizer, realloc_at
-        self.prox_lr = float(prox_lr)
+        self.prox_lr, self.share_allocation = float(prox_lr), bool(share_allocation)
         self.steps, self.stage, self.cuts = 0, "early", 0
         self.size_target: float | None = None
         self.loss_target: float | None = None
@@ -374,7 +377,8 @@ class RankAdaptive:
             if self.stage == "late":
                 self._prune_toward_target()
             allocated = sum(m.spec.core_params() for m in self.layers.values())
-            if self.realloc_at is not None and allocated >= self.realloc_at * max(self._active_core_params(), 1):
+            needed = sum(self._core_params_at(name, r) for name, r in self._allocation().items())
+            if self.realloc_at is not None and allocated >= self.realloc_at * max(needed, 1):
                 reallocated = self.cut() > 0
         self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
         return reallocated
@@ -474,20 +478,45 @@ class RankAdaptive:
                 total += math.prod(shape[1:-1]) * r[k] * r[k + 1]
         return total
 
+    def _allocation(self) -> dict[str, tuple[int, ...]]:
+        """The ranks a cut allocates each layer at: its active ranks, or with ``share_allocation`` the
+        largest active ranks among the layers of its shape (bond by bond)."""
+        if not self.share_allocation:
+            return dict(self._ranks)
+        groups: dict[tuple, list[str]] = {}
+        for name, layer in self.layers.items():
+            s = layer.spec
+            groups.setdefault((type(layer), s.kind, s.in_features, s.out_features, s.in_modes, s.out_modes),
+                              []).append(name)
+        out = {}
+        for names in groups.values():
+            ranks = tuple(max(rs) for rs in zip(*(self._ranks[n] for n in names)))
+            out.update((n, ranks) for n in names)
+        return out
+
+    def _core_params_at(self, name: str, ranks: tuple[int, ...]) -> int:
+        shapes = self.layers[name].spec.core_shapes
+        return sum(math.prod(shape[1:-1]) * ranks[k] * ranks[k + 1] for k, shape in enumerate(shapes))
+
     @torch.no_grad()
     def cut(self) -> int:
         """Cut switched-off rank slices out of the cores (and the optimizer's state) now: new, smaller
         Parameters.  Returns the number of parameters removed.  An optimizer that still holds a replaced
-        Parameter raises at its next step."""
+        Parameter raises at its next step.  With ``share_allocation`` a layer keeps as many slices as the
+        largest active rank among the layers of its shape, its extra ones still switched off."""
         before = sum(m.tt_params() for m in self.layers.values())
         state = self.optimizer.state if self.optimizer is not None else {}
         retired: list[torch.Tensor] = []
+        allocation = self._allocation()
         for name, layer in self.layers.items():
             keep = []
-            for g, m in zip(layer.gates, self.masks[name]):
+            for k, (g, m) in enumerate(zip(layer.gates, self.masks[name])):
                 idx = torch.nonzero(m).flatten()
                 if idx.numel() == 0:
                     idx = g.abs().argmax().reshape(1)
+                extra = allocation[name][k + 1] - idx.numel()
+                if extra > 0:  # switched-off slices kept (zero gates, masked) so equal shapes stay equal
+                    idx = torch.cat([idx, torch.nonzero(~m).flatten()[:extra]]).sort().values
                 keep.append(None if idx.numel() == g.numel() else idx)
             replaced: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
             for old, new, dim, idx in layer.prune_ranks(keep):

@@ -140,6 +140,18 @@ class TTSpec:
     def dense_params(self) -> int:
         return self.in_features * self.out_features
 
+    def key(self) -> tuple:
+        """The spec as a tuple of plain values.  The layers pass this, not the spec, to the planner's
+        constant functions under torch.compile: dynamo guards a tuple by value (a spec object by identity),
+        so layers of equal shapes share one compiled graph and a rank cut to equal ranks reuses it."""
+        return (self.kind, self.in_features, self.out_features, self.in_modes, self.out_modes, self.ranks,
+                self.max_ranks)
+
+    @staticmethod
+    def of(spec: "TTSpec | tuple") -> "TTSpec":
+        """A spec, or the spec of a key()."""
+        return spec if isinstance(spec, TTSpec) else TTSpec(*spec)
+
     def with_ranks(self, ranks: Sequence[int]) -> "TTSpec":
         return TTSpec(self.kind, self.in_features, self.out_features, self.in_modes, self.out_modes,
                       tuple(int(r) for r in ranks), self.max_ranks)
@@ -167,8 +179,10 @@ def gemm_spec(spec: TTSpec) -> TTSpec:
 
 
 @torch.compiler.assume_constant_result
-def gemm_core_padding(spec: TTSpec) -> tuple[tuple[int, ...] | None, ...]:
-    """rank_padding of every core of spec to gemm_spec(spec)'s ranks (a constant under torch.compile)."""
+def gemm_core_padding(spec: TTSpec | tuple) -> tuple[tuple[int, ...] | None, ...]:
+    """rank_padding of every core of spec (or its key()) to gemm_spec(spec)'s ranks (a constant under
+    torch.compile)."""
+    spec = TTSpec.of(spec)
     target = gemm_spec(spec)
     return tuple(rank_padding(a, b) for a, b in zip(spec.core_shapes, target.core_shapes))
 

@@ -300,6 +300,60 @@ def test_compiled_training_at_defaults_recompiles_once_per_reallocation(caplog):
     torch._dynamo.reset()
 
 
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = TTLinear(64, 64, rank=8, in_modes=(4, 4, 4), out_modes=(4, 4, 4))
+        self.down = TTLinear(64, 64, rank=8, in_modes=(4, 4, 4), out_modes=(4, 4, 4))
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_repeated_blocks_compile_once_and_share_their_allocation(share):
+    """Blocks of equal shapes compiled one by one (regional compilation) share one graph; a re-allocation at
+    the default share_allocation keeps their ranks equal, so it recompiles once for all blocks (each block
+    once without it), and the compiled blocks compute what the eager ones do."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_Block() for _ in range(3)])
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    opt = torch.optim.AdamW(param_groups(blocks, lr=1e-3))
+    ra = RankAdaptive(blocks, optimizer=opt, cut_every=2, realloc_at=1.0, share_allocation=share)
+    for block in blocks:
+        block.compile(backend=counting, fullgraph=True)
+    x = torch.randn(32, 64, requires_grad=True)  # as every block's input is (else the first compiles apart)
+    blocks(x).square().mean().backward()
+    assert len(graphs) == 1
+    opt.step()
+    opt.zero_grad()
+    ra.step()
+    with torch.no_grad():  # different slices off in different blocks: 6, 5 and 4 of 8 on the middle bond
+        for i, block in enumerate(blocks):
+            block.up.gates[1][: 6 - i] = 0.0
+            block.down.gates[1][: 6 - i] = 0.0
+    assert ra.step()  # the cut check switches them off and re-allocates
+    middle = {name: layer.ranks[2] for name, layer in ra.layers.items()}
+    if share:
+        assert set(middle.values()) == {4}
+    else:
+        assert sorted(middle.values()) == [2, 2, 3, 3, 4, 4]
+    assert {name: r[2] for name, r in ra.ranks().items()} == {f"{i}.{n}": 2 + i for i in range(3)
+                                                               for n in ("up", "down")}
+    graphs.clear()
+    out = blocks(x)
+    assert len(graphs) == (1 if share else 3)
+    with torch.compiler.set_stance("force_eager"):
+        torch.testing.assert_close(out, blocks(x), rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
 def test_cut_without_the_optimizer_is_an_error_at_its_next_step():
     torch.manual_seed(0)
     model = _net(8, 8)
