@@ -117,30 +117,6 @@ def register() -> None:
     register_backend(name="comera")(comera_backend)
 
 
-def _prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
-    """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
-    the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
-    tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
-    update as the default.  Groups naming an implementation are left alone."""
-    from torch.optim.optimizer import _device_dtype_check_for_fused
-
-    fresh = not optimizer.state
-    for group in optimizer.param_groups:
-        if group.get("foreach") is not None or group.get("fused"):
-            continue
-        fused = fresh and "fused" in group and not group.get("differentiable")
-        if fused:
-            try:
-                for p in group["params"]:
-                    _device_dtype_check_for_fused(p)
-            except (RuntimeError, ValueError):
-                fused = False
-        if fused:
-            group["fused"], group["foreach"] = True, False
-        elif "foreach" in group:
-            group["foreach"] = True
-
-
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
 
 
@@ -196,7 +172,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             if use:
                 state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
             else:
-                _prefer_fast_implementation(optimizer)
+                from comera_compile.rank_adaptive import prefer_fast_implementation
+
+                prefer_fast_implementation(optimizer)
                 state["fn"] = optimizer.step
         state["fn"]()
 

@@ -80,20 +80,28 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from comera_compile.examples import code_mlm
 
-    cfg = code_mlm.DemoConfig(
-        data=args.data, out=args.out, size=args.size, steps=args.steps, batch=args.batch, seq_len=args.seq_len,
-        vocab_size=args.vocab_size, rank=args.rank, seed=args.seed, max_bytes=args.max_bytes,
-        target_ratio=args.target_ratio,
-        compile=not args.no_compile, dense_backend=args.dense_backend, progress=not args.no_progress)
+    given = {name: getattr(args, name) for name in _DEMO_OPTIONS if getattr(args, name) is not None}
+    if args.no_compile:
+        given["compile"] = False
+    if args.no_progress:
+        given["progress"] = False
+    if args.steps is not None and args.minutes is None:
+        given["minutes"] = None  # --steps alone: a step budget, not the preset's time budget with a step cap
     if args.threads is not None:
         if args.threads < 1:
             raise SystemExit(f"comera-compile demo: --threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     try:
-        code_mlm.run(cfg)
+        code_mlm.run(code_mlm.preset(args.preset, **given))
     except code_mlm.DemoError as e:
         raise SystemExit(f"comera-compile demo: {e}") from e
     return 0
+
+
+# Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
+_DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
+                 "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
+                 "dense_backend")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,32 +111,50 @@ def main(argv: Sequence[str] | None = None) -> int:
                        description="Train a BERT-like encoder on masked-language modelling of code twice -- dense, "
                                    "and CoMERA-style (tensorize + RankAdaptive + backend 'comera') -- and write a "
                                    "table, a plot and a JSON of every figure to runs/<timestamp>/.")
-    from comera_compile.examples.code_mlm import SIZES, DemoConfig
+    from comera_compile.examples.code_mlm import PRESETS, SIZES, DemoConfig
 
     defaults = DemoConfig()
+    d.add_argument("--preset", choices=list(PRESETS), default="demo",
+                   help="demo: equal wall-clock budgets, minutes; long: equal steps, 1-2 hours on 2 cores, the "
+                        "README's quality figure (options below override the preset's)")
     d.add_argument("--data", type=Path, default=None, metavar="DIR",
                    help="folder of text or code files (default: the Python standard library's *.py files)")
     d.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="output directory (default: runs/<YYYYmmdd-HHMMSS> under the current directory)")
-    d.add_argument("--size", choices=list(SIZES), default=defaults.size,
+    d.add_argument("--size", choices=list(SIZES), default=None,
                    help="model size: " + "; ".join(f"{k}: d_model {v.d_model}, {v.layers} layers, FFN {v.ffn}, "
                                                    f"rank {v.rank}" for k, v in SIZES.items())
                         + f" (default {defaults.size})")
-    d.add_argument("--steps", type=int, default=defaults.steps, help=f"training steps per model (default {defaults.steps})")
-    d.add_argument("--batch", type=int, default=defaults.batch, help=f"sequences per step (default {defaults.batch})")
-    d.add_argument("--seq-len", type=int, default=defaults.seq_len, help=f"tokens per sequence (default {defaults.seq_len})")
-    d.add_argument("--vocab-size", type=int, default=defaults.vocab_size,
+    d.add_argument("--minutes", type=float, default=None,
+                   help=f"training budget per model, wall clock with compiles, without evaluations (default "
+                        f"{defaults.minutes:g})")
+    d.add_argument("--steps", type=int, default=None,
+                   help="training steps per model (alone: the budget; with --minutes: a cap)")
+    d.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {defaults.batch})")
+    d.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {defaults.seq_len})")
+    d.add_argument("--vocab-size", type=int, default=None,
                    help=f"BPE vocabulary trained on the data (default {defaults.vocab_size})")
     d.add_argument("--rank", type=int, default=None, help="initial TT rank of the CoMERA encoder (default: the size's)")
-    d.add_argument("--target-ratio", type=float, default=defaults.target_ratio, metavar="R",
+    d.add_argument("--lr", type=float, default=None,
+                   help=f"CoMERA's learning rate, cc.param_groups(model, lr): TT cores 2x, gates 20x (default {defaults.lr:g})")
+    d.add_argument("--dense-lr", type=float, default=None,
+                   help=f"the dense model's learning rate (default {defaults.dense_lr:g}, the best of the README's sweep)")
+    d.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"linear learning-rate warm-up, both models (default {defaults.warmup_steps})")
+    d.add_argument("--target-ratio", type=float, default=None, metavar="R",
                    help="start RankAdaptive's late stage halfway through, steering the TT size toward R (0 < R <= 1) "
-                        "times its size then (default: early stage only, which keeps accuracy in a short run)")
-    d.add_argument("--seed", type=int, default=defaults.seed, help=f"seed of split, init, data order, masks (default {defaults.seed})")
-    d.add_argument("--max-bytes", type=int, default=defaults.max_bytes,
+                        "times its size then (default: early stage only)")
+    d.add_argument("--cut-every", type=int, default=None,
+                   help=f"steps between RankAdaptive's rank checks (default {defaults.cut_every})")
+    d.add_argument("--evals", type=int, default=None,
+                   help=f"held-out evaluations per model, at equal marks of the budget (default {defaults.evals})")
+    d.add_argument("--eval-blocks", type=int, default=None,
+                   help=f"held-out blocks evaluated (default {defaults.eval_blocks})")
+    d.add_argument("--seed", type=int, default=None, help=f"seed of split, init, data order, masks (default {defaults.seed})")
+    d.add_argument("--max-bytes", type=int, default=None,
                    help=f"training text read, in bytes (default {defaults.max_bytes:,})")
-    d.add_argument("--threads", type=int, default=1,
-                   help="intra-op CPU threads (default 1: on a small shared machine more threads stall each other)")
-    d.add_argument("--dense-backend", choices=("inductor", "eager"), default=defaults.dense_backend,
+    d.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
+    d.add_argument("--dense-backend", choices=("inductor", "eager"), default=None,
                    help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "
                         f"(default {defaults.dense_backend})")
     d.add_argument("--no-compile", action="store_true",

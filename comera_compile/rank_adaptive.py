@@ -48,7 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .layers import DEFAULT_TAU, TTLayer
 
-__all__ = ["RankAdaptive", "param_groups", "balance", "canonicalize", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+__all__ = ["RankAdaptive", "param_groups", "prefer_fast_implementation", "balance", "canonicalize", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -87,6 +87,32 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
 # pre-hook makes that an error.
 _RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
 _HOOK: list[Any] = []
+
+
+def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
+    the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
+    tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
+    update as the default.  Groups naming an implementation are left alone.  RankAdaptive does this to the
+    optimizer it is given: hundreds of small TT cores make torch's default per-tensor loop the slow part
+    of an optimizer step."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    fresh = not optimizer.state
+    for group in optimizer.param_groups:
+        if group.get("foreach") is not None or group.get("fused"):
+            continue
+        fused = fresh and "fused" in group and not group.get("differentiable")
+        if fused:
+            try:
+                for p in group["params"]:
+                    _device_dtype_check_for_fused(p)
+            except (RuntimeError, ValueError):
+                fused = False
+        if fused:
+            group["fused"], group["foreach"] = True, False
+        elif "foreach" in group:
+            group["foreach"] = True
 
 
 def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -259,6 +285,8 @@ class RankAdaptive:
         self.model, self.tau, self.gamma = model, float(tau), float(gamma)
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
         self.cut_every, self.optimizer, self.realloc_at = cut_every, optimizer, realloc_at
+        if optimizer is not None:
+            prefer_fast_implementation(optimizer)
         self.prox_lr, self.share_allocation = float(prox_lr), bool(share_allocation)
         self.steps, self.stage, self.cuts = 0, "early", 0
         self.size_target: float | None = None
@@ -306,6 +334,7 @@ class RankAdaptive:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores."""
         self.optimizer = optimizer
+        prefer_fast_implementation(optimizer)
 
     def trainer_callback(self) -> Any:
         """A transformers ``TrainerCallback`` that runs this hook inside ``Trainer``: ``step()`` after every

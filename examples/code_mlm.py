@@ -1,13 +1,13 @@
-"""Code MLM: CodeBERT-style masked-language-model pretraining, dense and CoMERA-style, side by side.
+"""Code MLM: CodeBERT-style masked-language-model pretraining, dense and CoMERA, side by side on equal time.
 
-The corpus defaults to the Python standard library's own source code, which every machine with Python has;
-any folder of text or code works (``--data DIR``).  Files are split, seeded, into training and held-out
-files; a byte-level BPE tokenizer is trained in-process on the training files (nothing is downloaded).
-The same BERT-like encoder is then trained twice from the same seed, data order and masks: once dense,
-once tensorized (``cc.tensorize``) with ``cc.RankAdaptive`` and ``torch.compile(backend="comera")``.
+The same BERT-like encoder (the paper's layer shapes, d_model 768, at reduced depth) is trained twice from
+the same seed, data order and masks: dense, in eager PyTorch at the learning rate that suits it, and
+tensorized (``cc.tensorize``) with ``cc.RankAdaptive`` at its defaults and ``torch.compile(backend=
+"comera")``.  Each gets the same wall-clock budget (compiles included, held-out evaluations excluded) and is
+evaluated on held-out files at fixed marks of it, so the run answers: what does the same CPU time buy?
 The run writes a table, a plot and a JSON of every figure to ``runs/<timestamp>/``.
 
-Run it: ``comera-compile demo`` (options: ``comera-compile demo --help``).
+Run it: ``comera-compile demo`` (options: ``comera-compile demo --help``; ``--preset long`` for the long run).
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import random
 import statistics
 import sys
-import sysconfig
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -28,21 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
+                                               to_blocks, train_tokenizer, unigram_baseline)
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
-__all__ = ["DemoConfig", "SIZES", "CodeMLM", "Corpus", "load_corpus", "train_tokenizer", "mask_batch", "run",
-           "DemoError"]
-
-SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[SEP]")
-MASK_FRACTION = 0.15
-# Folders never read as corpus: version control, environments, caches, and (for the standard library)
-# third-party packages installed inside it.
-_SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "site-packages", "dist-packages", ".venv", "venv",
-              "node_modules", ".tox", ".mypy_cache", ".pytest_cache"}
-
-
-class DemoError(ValueError):
-    """Bad input to the demo (no data, too little data, impossible sizes); the message says what to do."""
+__all__ = ["DemoConfig", "SIZES", "PRESETS", "CodeMLM", "Data", "DemoError", "preset", "prepare_data",
+           "build_models", "train_one", "evaluate", "run"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -61,8 +50,9 @@ class ModelSize:
 
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(d_model=64, heads=2, ffn=256, layers=2, rank=8),
-    "small": ModelSize(d_model=128, heads=4, ffn=512, layers=4, rank=8),
-    "base": ModelSize(d_model=256, heads=4, ffn=1024, layers=4, rank=16),
+    "small": ModelSize(d_model=256, heads=4, ffn=1024, layers=2, rank=8),
+    # BERT-base's layer shapes (the paper's) at two layers: wide enough for TT layers to pay.
+    "base": ModelSize(d_model=768, heads=12, ffn=3072, layers=2, rank=16),
 }
 
 
@@ -72,33 +62,32 @@ class DemoConfig:
 
     data: Path | None = None  # None: the Python standard library's source
     out: Path | None = None  # None: runs/<YYYYmmdd-HHMMSS> under the current directory
-    size: str = "small"
-    steps: int = 500
-    batch: int = 16
+    size: str = "base"
+    # Training budget per model in wall-clock minutes (compiles included, evaluations excluded); None: steps.
+    minutes: float | None = 3.25
+    steps: int | None = None  # at most this many steps per model (with minutes None: exactly this many)
+    batch: int = 8
     seq_len: int = 128
     vocab_size: int = 2048
     rank: int | None = None  # None: the size's rank
     seed: int = 0
-    lr: float = 1e-3
-    # Rates of the 500-step default run (cores at 2e-3 left the encoder at the unigram guess).
-    core_lr: float = 5e-4
-    gate_lr: float = 1e-3
-    warmup: float = 0.05  # fraction of the steps with a linear learning-rate warm-up, then constant
+    # Both from the README's sweep of dense's rate (1e-4, 3e-4, 1e-3; 1e-3 leaves this post-LayerNorm encoder
+    # at the unigram guess): CoMERA at the same rate, through cc.param_groups (TT cores 2x, rank gates 20x).
+    lr: float = 3e-4
+    dense_lr: float = 3e-4
+    warmup_steps: int = 30  # linear learning-rate warm-up, then constant (both models)
     dropout: float = 0.0
     heldout_fraction: float = 0.1
     max_bytes: int = 3_000_000  # training text read (and the tokenizer trained on)
-    eval_blocks: int = 256
-    evals: int = 5  # held-out evaluations during training (the last at the final step)
+    eval_blocks: int = 128
+    evals: int = 6  # held-out evaluations at equal marks of the budget (the last at its end)
     compile: bool = True  # CoMERA run under torch.compile(backend="comera"); False: eager
     dense_backend: str = "eager"  # "eager" or "inductor" (torch.compile per encoder layer)
-    # None: early stage only (task loss + gamma * mean |gate|).  A ratio starts RankAdaptive's late stage
-    # toward that fraction of the size at late_stage_at; in a 500-step run it costs accuracy (the task loss gets
-    # 0.1 of the weight whenever the size is further from its target) for little size.
+    # None: RankAdaptive's early stage only.  A ratio starts its late stage at late_stage_at of the budget,
+    # steering the TT size toward that fraction of its size then.
     target_ratio: float | None = None
-    late_stage_at: float = 0.5  # fraction of the steps after which RankAdaptive's late stage starts
-    # None: one cut, after the last step.  Under torch.compile every cut changes the cores' shapes and costs
-    # a recompile of each encoder layer (their ranks differ), 15-60 s apiece on a 2-core CPU.
-    cut_every: int | None = None
+    late_stage_at: float = 0.5
+    cut_every: int = 100  # RankAdaptive's rounding and switch-off check, in steps
     progress: bool = True
 
     def model_size(self) -> ModelSize:
@@ -111,21 +100,28 @@ class DemoConfig:
         """Raise DemoError for settings that cannot run, saying which option to change."""
         self.model_size()
         checks = [
-            (self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
+            (self.minutes is not None or self.steps is not None,
+             "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
+            (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
+            (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
             (self.seq_len >= 8, f"--seq-len must be at least 8 (15% of it is masked), got {self.seq_len}"),
             (self.vocab_size >= 256 + len(SPECIAL_TOKENS),
              f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (the 256 byte symbols and "
              f"{len(SPECIAL_TOKENS)} special tokens), got {self.vocab_size}"),
             (self.rank is None or self.rank >= 1, f"--rank must be a positive integer, got {self.rank}"),
+            (self.lr > 0 and self.dense_lr > 0, f"--lr and --dense-lr must be positive, got {self.lr}, {self.dense_lr}"),
+            (self.warmup_steps >= 0, f"--warmup-steps must be >= 0, got {self.warmup_steps}"),
             (0 < self.heldout_fraction < 1, f"heldout_fraction must be in (0, 1), got {self.heldout_fraction}"),
             (self.max_bytes >= 1000, f"--max-bytes must be at least 1000, got {self.max_bytes}"),
-            (self.eval_blocks >= 1, f"eval_blocks must be at least 1, got {self.eval_blocks}"),
+            (self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),
+            (self.evals >= 1, f"--evals must be at least 1, got {self.evals}"),
             (self.dense_backend in ("inductor", "eager"),
              f"--dense-backend must be 'inductor' or 'eager', got {self.dense_backend!r}"),
             (self.target_ratio is None or 0 < self.target_ratio <= 1,
              f"--target-ratio must be in (0, 1], got {self.target_ratio}"),
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
+            (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -135,153 +131,22 @@ class DemoConfig:
             raise DemoError(f"size {self.size!r}: d_model {s.d_model} is not divisible by {s.heads} heads")
 
 
-# --------------------------------------------------------------------------------------------------------
-# Corpus and tokenizer
-# --------------------------------------------------------------------------------------------------------
-def stdlib_dir() -> Path:
-    """The directory of the running Python's standard library source."""
-    return Path(sysconfig.get_paths()["stdlib"])
+# The long run behind the README's quality figure: equal steps rather than equal time.
+PRESETS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "long": {"minutes": None, "steps": 3000, "evals": 10, "eval_blocks": 256, "rank": 32},
+}
 
 
-def _is_text(path: Path) -> bool:
-    """A file that reads as UTF-8 text (checked on its first 4 KiB; no NUL bytes)."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return False
-    if b"\0" in head:
-        return False
-    try:
-        head.decode("utf-8")
-    except UnicodeDecodeError as e:  # a multi-byte character cut at the 4 KiB boundary is still text
-        return e.start >= len(head) - 3
-    return True
-
-
-def list_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
-    """Every text file under root (or those ending in one of suffixes), sorted, skipping hidden folders,
-    caches, environments and third-party packages."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            p = Path(dirpath) / name
-            if suffixes is not None and not name.endswith(suffixes):
-                continue
-            if p.is_file() and _is_text(p):
-                files.append(p)
-    return sorted(files)
-
-
-@dataclass
-class Corpus:
-    """Texts of the training and held-out files (split by file), and where they came from."""
-
-    root: Path
-    train_files: list[Path]
-    heldout_files: list[Path]
-    train_texts: list[str]
-    heldout_texts: list[str]
-
-    @property
-    def train_bytes(self) -> int:
-        return sum(len(t.encode("utf-8")) for t in self.train_texts)
-
-    @property
-    def heldout_bytes(self) -> int:
-        return sum(len(t.encode("utf-8")) for t in self.heldout_texts)
-
-
-def _read_until(files: list[Path], max_bytes: int) -> tuple[list[Path], list[str]]:
-    used, texts, total = [], [], 0
-    for p in files:
-        if total >= max_bytes:
-            break
-        try:
-            text = p.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            continue
-        if not text.strip():
-            continue
-        used.append(p)
-        texts.append(text)
-        total += len(text.encode("utf-8"))
-    return used, texts
-
-
-def load_corpus(data: Path | None, seed: int, heldout_fraction: float, max_bytes: int) -> Corpus:
-    """Split the files of `data` (default: the standard library's *.py files) by a seeded shuffle into
-    held-out and training files, and read at most max_bytes of training text (heldout_fraction of that of
-    held-out text)."""
-    if data is None:
-        root, suffixes = stdlib_dir(), (".py",)
-    else:
-        root, suffixes = Path(data).expanduser(), None
-        if not root.exists():
-            raise DemoError(f"data directory {str(root)!r} does not exist; pass --data with a folder of text "
-                            f"or code files, or leave --data out to use the Python standard library")
-        if not root.is_dir():
-            raise DemoError(f"--data {str(root)!r} is a file; pass the folder that holds the text or code files")
-    files = list_files(root, suffixes)
-    if len(files) < 2:
-        raise DemoError(f"{str(root)!r} holds {len(files)} text file(s); the demo needs at least 2 (some for "
-                        f"training, at least one held out for evaluation). Point --data at a larger folder")
-    order = list(files)
-    random.Random(seed).shuffle(order)
-    n_heldout = max(1, round(heldout_fraction * len(order)))
-    heldout_pool, train_pool = order[:n_heldout], order[n_heldout:]
-    train_files, train_texts = _read_until(train_pool, max_bytes)
-    heldout_files, heldout_texts = _read_until(heldout_pool, max(1000, int(max_bytes * heldout_fraction)))
-    if not train_texts or not heldout_texts:
-        raise DemoError(f"the text files under {str(root)!r} are empty (no training or no held-out text); "
-                        f"point --data at a folder of non-empty text or code files")
-    return Corpus(root, train_files, heldout_files, train_texts, heldout_texts)
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """A byte-level BPE tokenizer (HF tokenizers) trained on texts, with the special tokens
-    [PAD], [MASK], [SEP] as ids 0, 1, 2."""
-    try:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    except ImportError as e:
-        raise DemoError("the demo needs the 'tokenizers' package: pip install 'comera-compile[examples]'") from e
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    return tok
-
-
-def to_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
-    """All texts tokenized, joined with [SEP] and cut into (n, seq_len) blocks (the tail is dropped)."""
-    sep = tokenizer.token_to_id("[SEP]")
-    ids: list[int] = []
-    for enc in tokenizer.encode_batch(texts):
-        ids.extend(enc.ids)
-        ids.append(sep)
-    n = len(ids) // seq_len
-    return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
-
-
-def mask_batch(blocks: torch.Tensor, generator: torch.Generator, mask_id: int, vocab_size: int,
-               first_regular: int = len(SPECIAL_TOKENS)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """BERT's masking: 15% of each block's positions (exactly round(0.15 * seq_len), so shapes are static)
-    are predicted; of those 80% become [MASK], 10% a random token, 10% stay.  Returns (inputs, positions,
-    labels) with positions and labels of shape (batch, k)."""
-    b, s = blocks.shape
-    k = max(1, round(MASK_FRACTION * s))
-    positions = torch.rand(b, s, generator=generator).argsort(dim=1)[:, :k].sort(dim=1).values
-    labels = blocks.gather(1, positions)
-    r = torch.rand(b, k, generator=generator)
-    random_tokens = torch.randint(first_regular, vocab_size, (b, k), generator=generator)
-    replaced = torch.where(r < 0.8, torch.full_like(labels, mask_id), torch.where(r < 0.9, random_tokens, labels))
-    inputs = blocks.clone().scatter_(1, positions, replaced)
-    return inputs, positions, labels
+def preset(name: str, **overrides: Any) -> DemoConfig:
+    """The DemoConfig of a preset, with overrides (options the user gave) on top."""
+    if name not in PRESETS:
+        raise DemoError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    known = {f.name for f in fields(DemoConfig)}
+    unknown = set(overrides) - known
+    if unknown:
+        raise TypeError(f"DemoConfig has no field(s) {sorted(unknown)}")
+    return DemoConfig(**{**PRESETS[name], **overrides})
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -370,15 +235,6 @@ def evaluate(model: nn.Module, data: Data) -> dict[str, float]:
     return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count}
 
 
-def _lr_factor(cfg: DemoConfig) -> Callable[[int], float]:
-    """Linear warm-up over cfg.warmup of the steps, then constant (a short run gains nothing from decay)."""
-    warm = max(1, round(cfg.warmup * cfg.steps))
-
-    def factor(step: int) -> float:
-        return min(1.0, (step + 1) / warm)
-    return factor
-
-
 def _task_loss(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
                vocab_size: int) -> torch.Tensor:
     return F.cross_entropy(model(inputs, positions).reshape(-1, vocab_size), labels.reshape(-1))
@@ -397,6 +253,15 @@ def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_si
     return peak
 
 
+def _rss_bytes() -> int | None:
+    """The process's resident memory now (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def _active_encoder_params(model: nn.Module, ra: Any) -> int:
     """Encoder parameters counting only the active rank slices of the TT layers (what a cut leaves)."""
     allocated_cores = sum(m.spec.core_params() for m in ra.layers.values())
@@ -404,43 +269,68 @@ def _active_encoder_params(model: nn.Module, ra: Any) -> int:
 
 
 def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_encoder: int,
-              dense_total: int) -> dict[str, Any]:
-    """Train `model` for cfg.steps steps; returns its history and final figures.
+              eval_steps: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Train `model` for cfg's budget (minutes and/or steps); returns its history and figures.
 
-    name "comera": the model is tensorized; RankAdaptive runs (late stage and cuts as configured) and the
-    encoder layers compile with backend "comera".  Otherwise the encoder layers compile with
-    cfg.dense_backend (or run eagerly)."""
+    name "comera": the model is tensorized, RankAdaptive runs at its defaults and the encoder layers compile
+    with backend "comera" (one compiled layer serves them all).  Otherwise the dense model trains with
+    cfg.dense_lr, eagerly or compiled by cfg.dense_backend.  Held-out evaluations run at cfg.evals equal
+    marks of the budget and at eval_steps (the other model's step count, for a comparison at equal steps);
+    the clock stops while they run."""
     import comera_compile as cc
     from tqdm.auto import tqdm
 
     comera = name == "comera"
     ra = None
     if comera:
-        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr, core_lr=cfg.core_lr, gate_lr=cfg.gate_lr))
-        late = max(1, round(cfg.late_stage_at * cfg.steps)) if cfg.target_ratio is not None else None
-        cut_every = cfg.cut_every or cfg.steps
-        ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, late_stage_at=late, cut_every=cut_every,
-                             optimizer=opt)
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
+        ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, cut_every=cfg.cut_every, optimizer=opt)
+        start_tt = ra.size()
         backend = "comera" if cfg.compile else None
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.dense_lr, weight_decay=0.0)
         backend = None if cfg.dense_backend == "eager" else cfg.dense_backend
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(cfg))
+    warm = max(1, cfg.warmup_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
     if backend is not None:
         for layer in model.layers:  # regional compilation: one compiled layer serves every layer
             layer.compile(backend=backend, fullgraph=True)
     execution = f"torch.compile {backend!r}, per layer" if backend is not None else "eager"
 
-    eval_at = sorted({max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)})
-    history: dict[str, list] = {"step": [], "loss": [], "step_time_s": [], "encoder_compression": [],
-                                "model_compression": []}
-    evals: list[dict[str, float]] = []
+    budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
+    if budget is not None:
+        time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
+        step_marks = set(eval_steps)
+    else:
+        time_marks = []
+        step_marks = {max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)} | set(eval_steps)
+    history: dict[str, list] = {"step": [], "time_s": [], "loss": [], "step_time_s": [], "active_tt_params": [],
+                                "encoder_compression": []}
+    evals: list[dict[str, Any]] = []
     stream = batches(data, cfg)
     first_batch = None
-    bar = tqdm(range(1, cfg.steps + 1), desc=f"{name:>6}", disable=not cfg.progress, dynamic_ncols=True,
-               mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr)
+    elapsed = 0.0  # training seconds: wall time with the held-out evaluations left out
+    start_encoder = encoder_params(model)
+    compiling, compile_steps = True, []  # steps that (re)compiled: the first, and the first after a re-allocation
+    rss_peak = _rss_bytes() or 0
+    total = cfg.steps if budget is None else None
+    bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}", disable=not cfg.progress,
+               dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr,
+               unit="step" if total is not None else "s")
+
+    def active_tt() -> int:
+        return ra.size() if ra is not None else 0
+
+    def record_eval(step: int) -> None:
+        e = evaluate(model, data)
+        enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
+        evals.append({"step": step, "time_s": elapsed, **e, "active_tt_params": active_tt(),
+                      "encoder_params": enc})
+
     model.train()
-    for step in bar:
+    step = 0
+    while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
+        step += 1
         inputs, positions, labels = next(stream)
         if first_batch is None:
             first_batch = (inputs, positions, labels)
@@ -451,43 +341,63 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        if ra is not None:
-            ra.step()
+        reallocated = ra.step() if ra is not None else False
         dt = time.perf_counter() - t0
-        if ra is not None:
-            enc_c = dense_encoder / _active_encoder_params(model, ra)
-            model_c = dense_total / (total_params(model) - encoder_params(model) + _active_encoder_params(model, ra))
-        else:
-            enc_c = model_c = dense_encoder / encoder_params(model)
+        elapsed += dt
+        if compiling and backend is not None:
+            compile_steps.append(step - 1)
+        compiling = reallocated
+        if ra is not None and cfg.target_ratio is not None and ra.stage == "early" and ra.late_stage_at is None:
+            if (budget is not None and elapsed >= cfg.late_stage_at * budget) or (
+                    budget is None and step >= cfg.late_stage_at * cfg.steps):
+                ra.late_stage_at = ra.steps + 1  # the late stage starts at the next step
+        rss_peak = max(rss_peak, _rss_bytes() or 0)
+        enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
         history["step"].append(step)
+        history["time_s"].append(elapsed)
         history["loss"].append(float(task.detach()))
         history["step_time_s"].append(dt)
-        history["encoder_compression"].append(enc_c)
-        history["model_compression"].append(model_c)
-        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{enc_c:.1f}x", refresh=False)
-        if step in eval_at:
-            evals.append({"step": step, **evaluate(model, data)})
+        history["active_tt_params"].append(active_tt())
+        history["encoder_compression"].append(dense_encoder / enc)
+        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{dense_encoder / enc:.0f}x",
+                        refresh=False)
+        bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
+        due = step in step_marks
+        while time_marks and elapsed >= time_marks[0]:
+            time_marks.pop(0)
+            due = True
+        if due or (cfg.steps is not None and step == cfg.steps):
+            record_eval(step)
     bar.close()
+    if not evals or evals[-1]["step"] != step:
+        record_eval(step)
     if ra is not None:
         ra.cut()  # what is switched off goes for real, so the parameter counts below are what is allocated
     times = history["step_time_s"]
-    steady = times[2:] if len(times) > 3 else times
+    steady = [t for i, t in enumerate(times) if i not in compile_steps] or times
+    median = statistics.median(steady)
     result = {
         "name": name,
         "execution": execution,
+        "steps": step,
+        "time_s": elapsed,
         "params_model": total_params(model),
         "params_encoder": encoder_params(model),
+        "params_encoder_start": start_encoder,
         "compression_encoder": dense_encoder / encoder_params(model),
-        "compression_model": dense_total / total_params(model),
-        "median_step_s": statistics.median(steady),
-        "first_step_s": times[0],
+        "median_step_s": median,
+        "compile_s": sum(max(0.0, times[i] - median) for i in compile_steps),
+        "compile_steps": [i + 1 for i in compile_steps],
         "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size),
+        "peak_rss_bytes": rss_peak or None,
         "heldout_loss": evals[-1]["loss"],
         "heldout_accuracy": evals[-1]["accuracy"],
         "evals": evals,
         "history": history,
     }
     if ra is not None:
+        result["active_tt_params_start"] = start_tt
+        result["active_tt_params_end"] = ra.size()
         result["ranks"] = {k: list(v) for k, v in ra.ranks().items()}
         result["cuts"] = ra.cuts
         result["stage"] = ra.stage
@@ -495,7 +405,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
 
 
 # --------------------------------------------------------------------------------------------------------
-# The whole demo and its outputs
+# The whole demo
 # --------------------------------------------------------------------------------------------------------
 def prepare_data(cfg: DemoConfig, log: Callable[[str], None]) -> tuple[Data, Corpus, dict[str, Any]]:
     """Corpus, tokenizer, training blocks and fixed held-out batches; checks there is enough of each."""
@@ -519,15 +429,16 @@ def prepare_data(cfg: DemoConfig, log: Callable[[str], None]) -> tuple[Data, Cor
     mask_id = tok.token_to_id("[MASK]")
     eval_batches = [mask_batch(heldout[i: i + cfg.batch], g, mask_id, vocab)
                     for i in range(0, heldout.shape[0], cfg.batch)]
+    labels = torch.cat([b[2].reshape(-1) for b in eval_batches])
     info = {"root": str(corpus.root), "train_files": len(corpus.train_files),
             "heldout_files": len(corpus.heldout_files), "train_bytes": corpus.train_bytes,
             "heldout_bytes": corpus.heldout_bytes, "vocab_size": vocab, "train_blocks": int(train.shape[0]),
             "train_tokens": int(train.numel()), "heldout_blocks": int(heldout.shape[0]),
-            "heldout_masked_tokens": sum(int(b[2].numel()) for b in eval_batches),
-            "epochs": cfg.steps * cfg.batch / train.shape[0], "prepare_s": time.perf_counter() - t0}
+            "heldout_masked_tokens": int(labels.numel()), "unigram": unigram_baseline(train, labels, vocab),
+            "prepare_s": time.perf_counter() - t0}
     log(f"tokenizer: byte-level BPE, {vocab} tokens; {info['train_blocks']} training blocks of {cfg.seq_len} "
-        f"tokens ({info['epochs']:.2f} epochs in {cfg.steps} steps of {cfg.batch}), {info['heldout_blocks']} "
-        f"held-out blocks ({info['heldout_masked_tokens']} masked tokens)")
+        f"tokens, {info['heldout_blocks']} held-out blocks ({info['heldout_masked_tokens']} masked tokens); "
+        f"unigram baseline: accuracy {100 * info['unigram']['accuracy']:.2f}%, loss {info['unigram']['loss']:.3f}")
     return Data(train, eval_batches, vocab, mask_id), corpus, info
 
 
@@ -548,79 +459,15 @@ def build_models(cfg: DemoConfig, vocab_size: int) -> tuple[nn.Module, nn.Module
     return dense, tt
 
 
-def format_table(result: dict[str, Any]) -> str:
-    """The end-of-run table (Markdown)."""
-    d, c = result["runs"]["dense"], result["runs"]["comera"]
-    rows = [
-        ("execution", d["execution"], c["execution"]),
-        ("parameters, encoder layers", f"{d['params_encoder']:,}", f"{c['params_encoder']:,}"),
-        ("parameters, whole model", f"{d['params_model']:,}", f"{c['params_model']:,}"),
-        ("compression, encoder / whole model", "1.0x / 1.0x",
-         f"{c['compression_encoder']:.1f}x / {c['compression_model']:.2f}x"),
-        ("median step time", f"{d['median_step_s'] * 1e3:.0f} ms", f"{c['median_step_s'] * 1e3:.0f} ms"),
-        ("first step (with compile)", f"{d['first_step_s']:.1f} s", f"{c['first_step_s']:.1f} s"),
-        ("peak tracked memory, one eager fwd+bwd", f"{d['peak_bytes'] / 2**20:.1f} MiB",
-         f"{c['peak_bytes'] / 2**20:.1f} MiB"),
-        ("held-out MLM loss", f"{d['heldout_loss']:.3f}", f"{c['heldout_loss']:.3f}"),
-        ("held-out MLM accuracy", f"{100 * d['heldout_accuracy']:.2f}%", f"{100 * c['heldout_accuracy']:.2f}%"),
-    ]
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows + [("", "dense", "")])
-    w2 = max(len(r[2]) for r in rows + [("", "", "CoMERA")])
-    lines = [f"| {'':<{w0}} | {'dense':>{w1}} | {'CoMERA':>{w2}} |", f"| {'-' * w0} | {'-' * (w1 - 1)}: | {'-' * (w2 - 1)}: |"]
-    lines += [f"| {a:<{w0}} | {b:>{w1}} | {x:>{w2}} |" for a, b, x in rows]
-    cfg = result["config"]
-    lines.append("")
-    lines.append(f"{cfg['steps']} steps of {cfg['batch']} x {cfg['seq_len']} tokens, size {cfg['size']!r}, seed "
-                 f"{cfg['seed']}, {result['threads']} thread(s); held-out: {result['corpus']['heldout_masked_tokens']} "
-                 f"masked tokens of {result['corpus']['heldout_files']} files never trained on; accuracy gap "
-                 f"{100 * (d['heldout_accuracy'] - c['heldout_accuracy']):+.2f} points (dense - CoMERA); wall time "
-                 f"{result['wall_time_s']:.0f} s")
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Training loss (and held-out loss) and encoder compression against step, both models (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_loss, ax_comp) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"dense": "tab:blue", "comera": "tab:orange"}
-    labels = {"dense": "dense", "comera": "CoMERA"}
-    for name, run_ in result["runs"].items():
-        h = run_["history"]
-        window = max(1, len(h["loss"]) // 25)
-        smooth = [statistics.fmean(h["loss"][max(0, i - window + 1): i + 1]) for i in range(len(h["loss"]))]
-        ax_loss.plot(h["step"], h["loss"], color=colors[name], alpha=0.25, linewidth=0.8)
-        ax_loss.plot(h["step"], smooth, color=colors[name], label=f"{labels[name]} (training, smoothed)")
-        ax_loss.plot([e["step"] for e in run_["evals"]], [e["loss"] for e in run_["evals"]], "o--",
-                     color=colors[name], label=f"{labels[name]} (held-out)")
-        ax_comp.plot(h["step"], h["encoder_compression"], color=colors[name], label=f"{labels[name]}, encoder")
-        ax_comp.plot(h["step"], h["model_compression"], ":", color=colors[name], label=f"{labels[name]}, whole model")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("MLM loss")
-    ax_loss.set_title("masked-language-model loss")
-    ax_loss.legend(fontsize=8)
-    ax_comp.set_xlabel("step")
-    ax_comp.set_ylabel("compression vs dense (x)")
-    ax_comp.set_yscale("log")
-    ax_comp.set_title("compression (active ranks)")
-    top = max(max(r["history"]["encoder_compression"]) for r in result["runs"].values())
-    ax_comp.set_ylim(0.7, 5 * top)  # headroom in the log scale, so the legend sits above the lines
-    ax_comp.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def default_out_dir() -> Path:
     return Path("runs") / _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
 def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """The whole demo: data, both trainings, evaluation, and the table, PNG and JSON in cfg.out."""
+    """The whole demo: data, both trainings (dense first; CoMERA is also evaluated at dense's step count),
+    and the table, PNG and JSON in cfg.out."""
+    from comera_compile.examples import demo_report
+
     cfg.check()
     t_start = time.perf_counter()
     out = Path(cfg.out) if cfg.out is not None else default_out_dir()
@@ -629,28 +476,33 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     data, corpus, corpus_info = prepare_data(cfg, log)
     dense, tt = build_models(cfg, data.vocab_size)
     dense_encoder, dense_total = encoder_params(dense), total_params(dense)
+    budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
+    log(f"model: size {cfg.size!r} {asdict(cfg.model_size())}; encoder {dense_encoder:,} dense parameters, "
+        f"{encoder_params(tt):,} as TT; budget {budget} per model, {torch.get_num_threads()} thread(s)")
     runs: dict[str, dict[str, Any]] = {}
-    with torch._dynamo.config.patch(recompile_limit=64, automatic_dynamic_shapes=False):
-        for name, model in (("dense", dense), ("comera", tt)):
-            runs[name] = train_one(name, model, cfg, data, dense_encoder, dense_total)
+    runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder)
+    del dense  # its memory is not the CoMERA run's
+    runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],))
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
-    size = cfg.model_size()
     result = {
         "config": config,
-        "model": asdict(size) | {"vocab_size": data.vocab_size, "seq_len": cfg.seq_len, "dropout": cfg.dropout},
+        "model": asdict(cfg.model_size()) | {"vocab_size": data.vocab_size, "seq_len": cfg.seq_len,
+                                             "dropout": cfg.dropout},
         "corpus": corpus_info,
+        "dense_params": {"encoder": dense_encoder, "model": dense_total},
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "runs": runs,
-        "wall_time_s": time.perf_counter() - t_start,
     }
+    result["summary"] = demo_report.summarize(result)
+    result["wall_time_s"] = time.perf_counter() - t_start
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"table": out / "table.md", "plot": out / "loss_compression.png", "json": out / "results.json"}
+    paths = {"table": out / "table.md", "plot": out / "curves.png", "json": out / "results.json"}
     result["files"] = {k: str(v) for k, v in paths.items()}
-    table = format_table(result)
+    table = demo_report.format_table(result)
     paths["table"].write_text(table + "\n")
-    plot(result, paths["plot"])
+    demo_report.plot(result, paths["plot"])
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     log("")
     log(table)

@@ -1,10 +1,13 @@
-"""`comera-compile demo`: corpus split, masking, evaluation, sizes, errors, and a smoke run's outputs."""
+"""`comera-compile demo`: corpus split, masking, evaluation, the unigram baseline, sizes and presets, errors,
+the time budget and its evaluation marks, reading the curves, and a smoke run's outputs."""
 
 from __future__ import annotations
 
 import json
 import math
 import random
+from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 from comera_compile.cli import main  # noqa: E402
-from comera_compile.examples import code_mlm  # noqa: E402
+from comera_compile.examples import code_data, code_mlm, demo_report  # noqa: E402
 from comera_compile.examples.code_mlm import DemoConfig, DemoError  # noqa: E402
 
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "None", "items",
@@ -39,9 +42,9 @@ def _write_corpus(root, files: int = 8, lines: int = 150, seed: int = 0) -> None
 # -- corpus ------------------------------------------------------------------------------------------------
 def test_split_is_by_file_disjoint_and_seeded(tmp_path):
     _write_corpus(tmp_path, files=20, lines=5)
-    a = code_mlm.load_corpus(tmp_path, seed=1, heldout_fraction=0.2, max_bytes=10**9)
-    b = code_mlm.load_corpus(tmp_path, seed=1, heldout_fraction=0.2, max_bytes=10**9)
-    c = code_mlm.load_corpus(tmp_path, seed=2, heldout_fraction=0.2, max_bytes=10**9)
+    a = code_data.load_corpus(tmp_path, seed=1, heldout_fraction=0.2, max_bytes=10**9)
+    b = code_data.load_corpus(tmp_path, seed=1, heldout_fraction=0.2, max_bytes=10**9)
+    c = code_data.load_corpus(tmp_path, seed=2, heldout_fraction=0.2, max_bytes=10**9)
     assert len(a.heldout_files) == 4 and len(a.train_files) == 16
     assert not set(a.heldout_files) & set(a.train_files)
     assert a.heldout_files == b.heldout_files and a.train_files == b.train_files
@@ -56,13 +59,13 @@ def test_corpus_skips_binary_hidden_and_package_folders(tmp_path):
     for folder in (".git", "site-packages", "__pycache__"):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "x.py").write_text("print('not corpus')\n")
-    files = code_mlm.list_files(tmp_path)
+    files = code_data.list_files(tmp_path)
     assert [f.name for f in files] == ["mod_0.py", "mod_1.py", "mod_2.py"]
 
 
 def test_default_corpus_is_the_standard_library():
-    corpus = code_mlm.load_corpus(None, seed=0, heldout_fraction=0.1, max_bytes=20_000)
-    assert corpus.root == code_mlm.stdlib_dir()
+    corpus = code_data.load_corpus(None, seed=0, heldout_fraction=0.1, max_bytes=20_000)
+    assert corpus.root == code_data.stdlib_dir()
     assert (corpus.root / "os.py").is_file()
     assert all(f.suffix == ".py" and "site-packages" not in f.parts for f in corpus.train_files)
     assert 20_000 <= corpus.train_bytes < 20_000 + max(len(t.encode()) for t in corpus.train_texts)
@@ -72,7 +75,7 @@ def test_default_corpus_is_the_standard_library():
 def test_mask_batch_follows_bert_masking():
     vocab, mask_id = 500, 1
     blocks = torch.randint(3, vocab, (400, 100), generator=torch.Generator().manual_seed(0))
-    inputs, positions, labels = code_mlm.mask_batch(blocks, torch.Generator().manual_seed(3), mask_id, vocab)
+    inputs, positions, labels = code_data.mask_batch(blocks, torch.Generator().manual_seed(3), mask_id, vocab)
     assert positions.shape == labels.shape == (400, 15)  # exactly 15% of every block
     assert all(len(set(row.tolist())) == 15 for row in positions)
     assert torch.equal(labels, blocks.gather(1, positions))
@@ -84,7 +87,7 @@ def test_mask_batch_follows_bert_masking():
     kept = (new == labels).sum().item() / n
     assert abs(masked - 0.8) < 0.02 and abs(kept - 0.1) < 0.015  # kept includes ~0.2% random hits
     assert int(new.min()) >= 1 and int(new[new != mask_id].min()) >= 3  # random tokens avoid specials
-    again = code_mlm.mask_batch(blocks, torch.Generator().manual_seed(3), mask_id, vocab)
+    again = code_data.mask_batch(blocks, torch.Generator().manual_seed(3), mask_id, vocab)
     assert all(torch.equal(x, y) for x, y in zip((inputs, positions, labels), again))
 
 
@@ -119,15 +122,25 @@ def test_evaluate_matches_a_direct_computation():
     assert got["loss"] == pytest.approx(per_token.mean().item(), rel=1e-6)
 
 
+def test_unigram_baseline_matches_a_direct_count():
+    train = torch.tensor([[3, 3, 3, 4], [4, 5, 3, 3]])  # counts: 3 x5, 4 x2, 5 x1 (vocab 6)
+    labels = torch.tensor([[3, 4], [5, 0]])
+    got = code_data.unigram_baseline(train, labels, vocab_size=6)
+    p = torch.tensor([1, 1, 1, 6, 3, 2], dtype=torch.float64) / 14  # add-one smoothed
+    assert got["accuracy"] == pytest.approx(0.25)  # guesses 3 everywhere
+    assert got["loss"] == pytest.approx(float(-p[labels.flatten()].log().mean()))
+
+
 # -- models ------------------------------------------------------------------------------------------------
 def _encoder_layer_params(d: int, ffn: int) -> int:
     attention = 4 * (d * d + d)
     return attention + (d * ffn + ffn) + (ffn * d + d) + 2 * 2 * d  # two LayerNorms
 
 
-def test_default_size_compresses_the_encoder_at_least_10x_before_any_cut():
+def test_default_size_is_bert_wide_and_compresses_the_encoder_at_least_10x_before_any_cut():
     cfg = DemoConfig()
     size = cfg.model_size()
+    assert size.d_model >= 512
     dense, tt = code_mlm.build_models(cfg, vocab_size=cfg.vocab_size)
     assert code_mlm.encoder_params(dense) == size.layers * _encoder_layer_params(size.d_model, size.ffn)
     assert code_mlm.encoder_params(dense) / code_mlm.encoder_params(tt) >= 10
@@ -138,6 +151,15 @@ def test_default_size_compresses_the_encoder_at_least_10x_before_any_cut():
     ids = torch.randint(3, cfg.vocab_size, (2, cfg.seq_len))
     pos = torch.tensor([[0, 5, 9], [1, 2, 3]])
     assert tt(ids, pos).shape == dense(ids, pos).shape == (2, 3, cfg.vocab_size)
+
+
+def test_presets_and_overrides():
+    assert code_mlm.preset("demo") == DemoConfig()
+    long = code_mlm.preset("long")
+    assert long.minutes is None and long.steps >= 1000  # equal steps, not equal time
+    assert code_mlm.preset("long", steps=10, size="tiny").steps == 10
+    with pytest.raises(DemoError, match="unknown preset 'huge'; choose one of demo, long"):
+        code_mlm.preset("huge")
 
 
 # -- errors ------------------------------------------------------------------------------------------------
@@ -151,14 +173,16 @@ def test_bad_data_dirs_say_what_to_do(tmp_path, setup, message):
     data = tmp_path / "data"
     setup(data)
     with pytest.raises(DemoError, match=message) as err:
-        code_mlm.load_corpus(data, seed=0, heldout_fraction=0.1, max_bytes=10_000)
+        code_data.load_corpus(data, seed=0, heldout_fraction=0.1, max_bytes=10_000)
     assert "--data" in str(err.value)
 
 
 @pytest.mark.parametrize("override, message", [
     ({"steps": 0}, "--steps"), ({"batch": 0}, "--batch"), ({"seq_len": 4}, "--seq-len"),
     ({"vocab_size": 100}, "--vocab-size"), ({"rank": 0}, "--rank"), ({"size": "huge"}, "tiny, small"),
-    ({"target_ratio": 1.5}, "--target-ratio"),
+    ({"target_ratio": 1.5}, "--target-ratio"), ({"minutes": 0}, "--minutes"),
+    ({"minutes": None, "steps": None}, "--minutes.*or --steps"), ({"dense_lr": -1.0}, "--dense-lr"),
+    ({"evals": 0}, "--evals"),
 ])
 def test_bad_sizes_are_rejected_with_the_option_named(override, message):
     with pytest.raises(DemoError, match=message):
@@ -179,15 +203,65 @@ def test_too_little_text_for_one_batch(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written for a run that could not start
 
 
+# -- reading the curves ------------------------------------------------------------------------------------
+def test_reach_time_interpolates_between_evaluations():
+    evals = [{"time_s": 10.0, "step": 5, "loss": 7.0}, {"time_s": 20.0, "step": 10, "loss": 6.0},
+             {"time_s": 30.0, "step": 15, "loss": 5.0}]
+    assert demo_report.reach_time(evals, 5.5) == pytest.approx(25.0)
+    assert demo_report.reach_time(evals, 5.5, key="step") == pytest.approx(12.5)
+    assert demo_report.reach_time(evals, 7.5) == 10.0  # already there at the first evaluation
+    assert demo_report.reach_time(evals, 6.0) == 20.0
+    assert demo_report.reach_time(evals, 4.9) is None
+
+
+# -- the budget --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    _write_corpus(root)
+    cfg = DemoConfig(data=root, size="tiny", batch=4, seq_len=32, vocab_size=300, eval_blocks=8, progress=False)
+    data, _, info = code_mlm.prepare_data(cfg, log=lambda s: None)
+    return cfg, data, info
+
+
+def test_time_budget_evaluates_at_its_marks_with_the_clock_stopped(tiny_data):
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=0.02, evals=3)  # 1.2 s of training
+    dense, _ = code_mlm.build_models(cfg, data.vocab_size)
+    r = code_mlm.train_one("dense", dense, cfg, data, code_mlm.encoder_params(dense), eval_steps=(2,))
+    h = r["history"]
+    budget = 60 * cfg.minutes
+    # The clock is the sum of the steps' own times (evaluations are not in it), and stops at the budget.
+    assert h["time_s"] == pytest.approx(list(accumulate(h["step_time_s"])))
+    assert h["time_s"][-2] < budget <= h["time_s"][-1] == r["time_s"]
+    assert r["steps"] == len(h["step"]) == h["step"][-1]
+    # One evaluation at the first step past each third of the budget, and one at the step asked for.
+    marks = [budget * (i + 1) / 3 for i in range(3)]
+    expected = sorted({2} | {next(s for s, t in zip(h["step"], h["time_s"]) if t >= m) for m in marks})
+    assert [e["step"] for e in r["evals"]] == expected
+    assert r["evals"][-1]["step"] == r["steps"] and r["heldout_loss"] == r["evals"][-1]["loss"]
+    assert all(e["time_s"] == h["time_s"][e["step"] - 1] for e in r["evals"])
+
+
+def test_step_budget_runs_exactly_its_steps(tiny_data):
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=5, evals=2)
+    _, tt = code_mlm.build_models(cfg, data.vocab_size)
+    r = code_mlm.train_one("comera", tt, replace(cfg, compile=False), data, 10_000)
+    assert r["steps"] == 5 and [e["step"] for e in r["evals"]] == [2, 5]  # round(5 / 2) and the end
+    assert r["active_tt_params_start"] >= r["active_tt_params_end"] > 0
+
+
 # -- a whole run -------------------------------------------------------------------------------------------
 def _run_cli(tmp_path, *extra: str) -> dict:
     _write_corpus(tmp_path / "data")
     out = tmp_path / "out"
     assert main(["demo", "--data", str(tmp_path / "data"), "--out", str(out), "--size", "tiny", "--steps", "6",
-                 "--batch", "4", "--seq-len", "32", "--vocab-size", "300", "--no-progress", *extra]) == 0
-    for name in ("table.md", "loss_compression.png", "results.json"):
+                 "--batch", "4", "--seq-len", "32", "--vocab-size", "300", "--eval-blocks", "8", "--evals", "3",
+                 "--no-progress", *extra]) == 0
+    for name in ("table.md", "curves.png", "results.json"):
         assert (out / name).stat().st_size > 0
-    assert (out / "loss_compression.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     return json.loads((out / "results.json").read_text())
 
 
@@ -195,9 +269,8 @@ def _check_figures(result: dict) -> None:
     d, c = result["runs"]["dense"], result["runs"]["comera"]
     size = code_mlm.SIZES["tiny"]
     layer = _encoder_layer_params(size.d_model, size.ffn)
-    assert d["params_encoder"] == size.layers * layer
+    assert d["params_encoder"] == size.layers * layer == result["dense_params"]["encoder"]
     assert c["compression_encoder"] == pytest.approx(d["params_encoder"] / c["params_encoder"])
-    assert c["compression_model"] == pytest.approx(d["params_model"] / c["params_model"])
     # The non-encoder parameters are the same in both models.
     assert d["params_model"] - d["params_encoder"] == c["params_model"] - c["params_encoder"]
     # CoMERA's encoder: its TT layers at the ranks reported, plus the dense biases and LayerNorms.
@@ -215,23 +288,29 @@ def _check_figures(result: dict) -> None:
     assert c["params_encoder"] == tt_total + size.layers * 4 * d_model
     for run_ in (d, c):
         h = run_["history"]
-        assert h["step"] == list(range(1, 7)) and len(h["loss"]) == 6
+        assert h["step"] == list(range(1, 7)) and run_["steps"] == 6
         assert min(h["step_time_s"]) <= run_["median_step_s"] <= max(h["step_time_s"])
-        assert run_["evals"][-1]["step"] == 6
+        assert [e["step"] for e in run_["evals"]] == [2, 4, 6]
         assert run_["heldout_accuracy"] == run_["evals"][-1]["accuracy"]
         assert 0 <= run_["heldout_accuracy"] <= 1 and run_["heldout_loss"] > 0
         assert run_["peak_bytes"] > 0
     assert d["history"]["encoder_compression"] == [1.0] * 6
+    s = result["summary"]
+    assert s["step_speedup"] == pytest.approx(d["median_step_s"] / c["median_step_s"])
+    assert s["comera_at_equal_steps"]["step"] == d["steps"]
+    uni = result["corpus"]["unigram"]
+    assert 0 < uni["accuracy"] < 1 and uni["loss"] > 0
     table = (Path(result["config"]["out"]) / "table.md").read_text()
     for run_ in (d, c):
         assert f"{100 * run_['heldout_accuracy']:.2f}%" in table
-        assert f"{run_['params_encoder']:,}" in table
+    assert f"{c['params_encoder']:,}" in table and f"{100 * uni['accuracy']:.2f}%" in table
 
 
 def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
     result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5")
     assert result["runs"]["comera"]["execution"] == result["runs"]["dense"]["execution"] == "eager"
     assert result["config"]["target_ratio"] == 0.5 and result["runs"]["comera"]["stage"] == "late"
+    assert result["config"]["minutes"] is None  # --steps alone is the budget
     _check_figures(result)
 
 

@@ -354,6 +354,33 @@ def test_repeated_blocks_compile_once_and_share_their_allocation(share):
     torch._dynamo.reset()
 
 
+def test_attached_optimizer_gets_the_fast_implementation_with_the_same_updates():
+    """RankAdaptive switches an optimizer left at torch's default to its fused kernels; one that names its
+    implementation is left alone; both train the same (cuts included)."""
+    torch.manual_seed(0)
+    fast_model = _net(8, 8)
+    slow_model = copy.deepcopy(fast_model)
+    fast = torch.optim.AdamW(param_groups(fast_model, lr=1e-3))
+    slow = torch.optim.AdamW(param_groups(slow_model, lr=1e-3), foreach=False)
+    ras = [RankAdaptive(m, optimizer=o, cut_every=3, realloc_at=1.0) for m, o in ((fast_model, fast),
+                                                                                 (slow_model, slow))]
+    assert all(g["fused"] for g in fast.param_groups)
+    assert not any(g.get("fused") or g["foreach"] for g in slow.param_groups)
+    x, y = torch.randn(64, 64), torch.randn(64, 16)
+    for step in range(8):
+        for m, o, ra in zip((fast_model, slow_model), (fast, slow), ras):
+            ra.loss(((m(x) - y) ** 2).mean()).backward()
+            o.step()
+            o.zero_grad()
+            if step == 2:
+                with torch.no_grad():
+                    m[0].gates[1][:3] = 0.0
+            ra.step()
+    assert ras[0].cuts == ras[1].cuts >= 1
+    for p, q in zip(fast_model.parameters(), slow_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
 def test_cut_without_the_optimizer_is_an_error_at_its_next_step():
     torch.manual_seed(0)
     model = _net(8, 8)

@@ -1,0 +1,190 @@
+"""The demo's data: a corpus of code split by file, a byte-level BPE tokenizer trained on it, token blocks,
+BERT's masking, and the unigram baseline every MLM model must beat.
+
+The corpus defaults to the Python standard library's own source code, which every machine with Python has;
+any folder of text or code works.  Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["DemoError", "Corpus", "SPECIAL_TOKENS", "MASK_FRACTION", "stdlib_dir", "list_files", "load_corpus",
+           "train_tokenizer", "to_blocks", "mask_batch", "unigram_baseline"]
+
+SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[SEP]")
+MASK_FRACTION = 0.15
+# Folders never read as corpus: version control, environments, caches, and (for the standard library)
+# third-party packages installed inside it.
+_SKIP_DIRS = {".git", ".hg", ".svn", "__pycache__", "site-packages", "dist-packages", ".venv", "venv",
+              "node_modules", ".tox", ".mypy_cache", ".pytest_cache"}
+
+
+class DemoError(ValueError):
+    """Bad input to the demo (no data, too little data, impossible sizes); the message says what to do."""
+
+
+# --------------------------------------------------------------------------------------------------------
+# Corpus and tokenizer
+# --------------------------------------------------------------------------------------------------------
+def stdlib_dir() -> Path:
+    """The directory of the running Python's standard library source."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _is_text(path: Path) -> bool:
+    """A file that reads as UTF-8 text (checked on its first 4 KiB; no NUL bytes)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a multi-byte character cut at the 4 KiB boundary is still text
+        return e.start >= len(head) - 3
+    return True
+
+
+def list_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
+    """Every text file under root (or those ending in one of suffixes), sorted, skipping hidden folders,
+    caches, environments and third-party packages."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            p = Path(dirpath) / name
+            if suffixes is not None and not name.endswith(suffixes):
+                continue
+            if p.is_file() and _is_text(p):
+                files.append(p)
+    return sorted(files)
+
+
+@dataclass
+class Corpus:
+    """Texts of the training and held-out files (split by file), and where they came from."""
+
+    root: Path
+    train_files: list[Path]
+    heldout_files: list[Path]
+    train_texts: list[str]
+    heldout_texts: list[str]
+
+    @property
+    def train_bytes(self) -> int:
+        return sum(len(t.encode("utf-8")) for t in self.train_texts)
+
+    @property
+    def heldout_bytes(self) -> int:
+        return sum(len(t.encode("utf-8")) for t in self.heldout_texts)
+
+
+def _read_until(files: list[Path], max_bytes: int) -> tuple[list[Path], list[str]]:
+    used, texts, total = [], [], 0
+    for p in files:
+        if total >= max_bytes:
+            break
+        try:
+            text = p.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        if not text.strip():
+            continue
+        used.append(p)
+        texts.append(text)
+        total += len(text.encode("utf-8"))
+    return used, texts
+
+
+def load_corpus(data: Path | None, seed: int, heldout_fraction: float, max_bytes: int) -> Corpus:
+    """Split the files of `data` (default: the standard library's *.py files) by a seeded shuffle into
+    held-out and training files, and read at most max_bytes of training text (heldout_fraction of that of
+    held-out text)."""
+    if data is None:
+        root, suffixes = stdlib_dir(), (".py",)
+    else:
+        root, suffixes = Path(data).expanduser(), None
+        if not root.exists():
+            raise DemoError(f"data directory {str(root)!r} does not exist; pass --data with a folder of text "
+                            f"or code files, or leave --data out to use the Python standard library")
+        if not root.is_dir():
+            raise DemoError(f"--data {str(root)!r} is a file; pass the folder that holds the text or code files")
+    files = list_files(root, suffixes)
+    if len(files) < 2:
+        raise DemoError(f"{str(root)!r} holds {len(files)} text file(s); the demo needs at least 2 (some for "
+                        f"training, at least one held out for evaluation). Point --data at a larger folder")
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    n_heldout = max(1, round(heldout_fraction * len(order)))
+    heldout_pool, train_pool = order[:n_heldout], order[n_heldout:]
+    train_files, train_texts = _read_until(train_pool, max_bytes)
+    heldout_files, heldout_texts = _read_until(heldout_pool, max(1000, int(max_bytes * heldout_fraction)))
+    if not train_texts or not heldout_texts:
+        raise DemoError(f"the text files under {str(root)!r} are empty (no training or no held-out text); "
+                        f"point --data at a folder of non-empty text or code files")
+    return Corpus(root, train_files, heldout_files, train_texts, heldout_texts)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer (HF tokenizers) trained on texts, with the special tokens
+    [PAD], [MASK], [SEP] as ids 0, 1, 2."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as e:
+        raise DemoError("the demo needs the 'tokenizers' package: pip install 'comera-compile[examples]'") from e
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def to_blocks(tokenizer: Any, texts: list[str], seq_len: int) -> torch.Tensor:
+    """All texts tokenized, joined with [SEP] and cut into (n, seq_len) blocks (the tail is dropped)."""
+    sep = tokenizer.token_to_id("[SEP]")
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(sep)
+    n = len(ids) // seq_len
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
+
+
+def mask_batch(blocks: torch.Tensor, generator: torch.Generator, mask_id: int, vocab_size: int,
+               first_regular: int = len(SPECIAL_TOKENS)) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT's masking: 15% of each block's positions (exactly round(0.15 * seq_len), so shapes are static)
+    are predicted; of those 80% become [MASK], 10% a random token, 10% stay.  Returns (inputs, positions,
+    labels) with positions and labels of shape (batch, k)."""
+    b, s = blocks.shape
+    k = max(1, round(MASK_FRACTION * s))
+    positions = torch.rand(b, s, generator=generator).argsort(dim=1)[:, :k].sort(dim=1).values
+    labels = blocks.gather(1, positions)
+    r = torch.rand(b, k, generator=generator)
+    random_tokens = torch.randint(first_regular, vocab_size, (b, k), generator=generator)
+    replaced = torch.where(r < 0.8, torch.full_like(labels, mask_id), torch.where(r < 0.9, random_tokens, labels))
+    inputs = blocks.clone().scatter_(1, positions, replaced)
+    return inputs, positions, labels
+
+
+def unigram_baseline(train: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> dict[str, float]:
+    """What a model that ignores the context scores on `labels`: the training tokens' frequencies (add-one
+    smoothed) as its distribution, the most frequent token as its guess.  An MLM that learns nothing from
+    the context ends here."""
+    counts = torch.bincount(train.reshape(-1), minlength=vocab_size).double() + 1.0
+    logp = (counts / counts.sum()).log()
+    flat = labels.reshape(-1)
+    return {"loss": float(-logp[flat].mean()), "accuracy": float((flat == counts.argmax()).double().mean())}

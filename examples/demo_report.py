@@ -1,0 +1,158 @@
+"""What the demo reports: the comparison read off the two runs' curves, the table and the plot."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+__all__ = ["reach_time", "summarize", "format_table", "plot"]
+
+
+def reach_time(evals: list[dict[str, Any]], target: float, key: str = "time_s") -> float | None:
+    """When (training seconds, or steps with key="step") the held-out loss first reached `target`, linearly
+    interpolated between evaluations; None if it never did."""
+    prev = None
+    for e in evals:
+        if e["loss"] <= target:
+            if prev is None or prev["loss"] == e["loss"]:
+                return float(e[key])
+            frac = (prev["loss"] - target) / (prev["loss"] - e["loss"])
+            return float(prev[key] + frac * (e[key] - prev[key]))
+        prev = e
+    return None
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The figures the demo is about: step speed-up, memory, compression, quality at equal time and equal
+    steps, and when CoMERA reached dense's final held-out loss."""
+    d, c = result["runs"]["dense"], result["runs"]["comera"]
+    at_steps = [e for e in c["evals"] if e["step"] == d["steps"]]
+    reach = reach_time(c["evals"], d["heldout_loss"])
+    unigram = result["corpus"]["unigram"]
+    return {
+        "step_speedup": d["median_step_s"] / c["median_step_s"],
+        "memory_ratio": c["peak_bytes"] / d["peak_bytes"],
+        "encoder_compression_end": result["dense_params"]["encoder"] / c["params_encoder"],
+        "active_tt_fall": c["active_tt_params_start"] / max(1, c["active_tt_params_end"]),
+        "dense_final_loss": d["heldout_loss"],
+        "comera_reach_s": reach,
+        "comera_reach_fraction": None if reach is None else reach / d["time_s"],
+        "equal_steps": d["steps"],
+        "comera_at_equal_steps": at_steps[0] if at_steps else None,
+        "comera_accuracy_vs_unigram": c["heldout_accuracy"] / max(unigram["accuracy"], 1e-12),
+    }
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _quality(e: dict[str, Any] | None) -> str:
+    return "n/a" if e is None else f"{e['loss']:.3f} / {100 * e['accuracy']:.2f}%"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The end-of-run table (Markdown) and the lines under it."""
+    d, c, s = result["runs"]["dense"], result["runs"]["comera"], result["summary"]
+    dense_enc = result["dense_params"]["encoder"]
+    dense_at_steps = d["evals"][-1]
+    rows = [
+        ("execution", d["execution"], c["execution"]),
+        ("training time (compiles included, evaluations not)", f"{d['time_s']:.0f} s", f"{c['time_s']:.0f} s"),
+        ("steps", f"{d['steps']:,}", f"{c['steps']:,}"),
+        ("median step time", f"{d['median_step_s'] * 1e3:.0f} ms",
+         f"{c['median_step_s'] * 1e3:.0f} ms ({s['step_speedup']:.1f}x faster)"),
+        ("compile time", "-" if d["compile_s"] == 0 else f"{d['compile_s']:.1f} s", f"{c['compile_s']:.1f} s"),
+        ("peak tracked memory, one eager fwd+bwd", _mib(d["peak_bytes"]),
+         f"{_mib(c['peak_bytes'])} ({s['memory_ratio']:.2f}x)"),
+        ("peak process RSS while training", _mib(d["peak_rss_bytes"]), _mib(c["peak_rss_bytes"])),
+        ("encoder parameters, start -> end", f"{dense_enc:,}",
+         f"{c['params_encoder_start']:,} -> {c['params_encoder']:,} ({s['encoder_compression_end']:.0f}x fewer)"),
+        ("active TT parameters, start -> end", "-",
+         f"{c['active_tt_params_start']:,} -> {c['active_tt_params_end']:,} ({s['active_tt_fall']:.1f}x fewer)"),
+        ("held-out loss / accuracy, end of equal time", _quality(d["evals"][-1]), _quality(c["evals"][-1])),
+        (f"held-out loss / accuracy at {d['steps']:,} steps", _quality(dense_at_steps),
+         _quality(s["comera_at_equal_steps"])),
+    ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows + [("", "dense", "")])
+    w2 = max(len(r[2]) for r in rows + [("", "", "CoMERA")])
+    lines = [f"| {'':<{w0}} | {'dense':>{w1}} | {'CoMERA':>{w2}} |",
+             f"| {'-' * w0} | {'-' * (w1 - 1)}: | {'-' * (w2 - 1)}: |"]
+    lines += [f"| {a:<{w0}} | {b:>{w1}} | {x:>{w2}} |" for a, b, x in rows]
+    uni = result["corpus"]["unigram"]
+    cfg = result["config"]
+    lines.append("")
+    lines.append(f"Unigram baseline (no context): loss {uni['loss']:.3f}, accuracy {100 * uni['accuracy']:.2f}%; "
+                 f"CoMERA's final accuracy is {s['comera_accuracy_vs_unigram']:.1f}x it.")
+    if s["comera_reach_s"] is None:
+        lines.append(f"CoMERA did not reach dense's final held-out loss ({s['dense_final_loss']:.3f}) in its budget.")
+    else:
+        lines.append(f"CoMERA reached dense's final held-out loss ({s['dense_final_loss']:.3f}) after "
+                     f"{s['comera_reach_s']:.0f} s of training: {100 * s['comera_reach_fraction']:.0f}% of dense's "
+                     f"{d['time_s']:.0f} s.")
+    budget = f"{cfg['minutes']:g} min" if cfg["minutes"] is not None else f"{cfg['steps']} steps"
+    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens; size "
+                 f"{cfg['size']!r}, seed {cfg['seed']}, {result['threads']} thread(s); held-out: "
+                 f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
+                 f"files never trained on; wall time {result['wall_time_s']:.0f} s")
+    return "\n".join(lines)
+
+
+def _smooth(values: list[float]) -> list[float]:
+    window = max(1, len(values) // 25)
+    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Held-out loss against training seconds and against steps, held-out accuracy against seconds (with
+    the unigram baseline), and CoMERA's active TT parameters against seconds (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
+    (ax_t, ax_s), (ax_acc, ax_size) = axes
+    colors = {"dense": "tab:blue", "comera": "tab:orange"}
+    labels = {"dense": "dense", "comera": "CoMERA"}
+    uni = result["corpus"]["unigram"]
+    for name, run_ in result["runs"].items():
+        h, ev = run_["history"], run_["evals"]
+        for ax, x_key in ((ax_t, "time_s"), (ax_s, "step")):
+            ax.plot(h[x_key], _smooth(h["loss"]), color=colors[name], alpha=0.3, linewidth=0.9,
+                    label=f"{labels[name]}, training (smoothed)")
+            ax.plot([e[x_key] for e in ev], [e["loss"] for e in ev], "o-", color=colors[name],
+                    label=f"{labels[name]}, held-out")
+        ax_acc.plot([e["time_s"] for e in ev], [100 * e["accuracy"] for e in ev], "o-", color=colors[name],
+                    label=labels[name])
+    s = result["summary"]
+    for ax in (ax_t, ax_s):
+        ax.axhline(uni["loss"], color="gray", linestyle=":", label="unigram baseline")
+        ax.axhline(s["dense_final_loss"], color=colors["dense"], linestyle="--", linewidth=0.8,
+                   label="dense's final held-out loss")
+        ax.set_ylabel("MLM loss")
+        ax.legend(fontsize=8)
+    if s["comera_reach_s"] is not None:
+        ax_t.axvline(s["comera_reach_s"], color=colors["comera"], linestyle="--", linewidth=0.8)
+    ax_t.set_xlabel("training seconds (compiles included)")
+    ax_t.set_title("held-out loss at equal time")
+    ax_s.set_xlabel("step")
+    ax_s.set_title("held-out loss at equal steps")
+    ax_acc.axhline(100 * uni["accuracy"], color="gray", linestyle=":", label="unigram baseline")
+    ax_acc.set_xlabel("training seconds")
+    ax_acc.set_ylabel("held-out accuracy (%)")
+    ax_acc.set_title("masked-token accuracy")
+    ax_acc.legend(fontsize=8)
+    c = result["runs"]["comera"]
+    ax_size.plot(c["history"]["time_s"], c["history"]["active_tt_params"], color=colors["comera"])
+    for step in c["compile_steps"][1:]:
+        ax_size.axvline(c["history"]["time_s"][step - 1], color="gray", linewidth=0.6, linestyle=":")
+    ax_size.set_xlabel("training seconds (dotted: re-allocation, one recompile)")
+    ax_size.set_ylabel("active TT parameters")
+    ax_size.set_yscale("log")
+    ax_size.set_title(f"CoMERA's TT parameters: {s['active_tt_fall']:.1f}x fewer by the end")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
