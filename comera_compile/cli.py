@@ -125,34 +125,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="model size: " + "; ".join(f"{k}: d_model {v.d_model}, {v.layers} layers, FFN {v.ffn}, "
                                                    f"rank {v.rank}" for k, v in SIZES.items())
                         + f" (default {defaults.size})")
-    d.add_argument("--minutes", type=float, default=None,
-                   help=f"training budget per model, wall clock with compiles, without evaluations (default "
-                        f"{defaults.minutes:g})")
-    d.add_argument("--steps", type=int, default=None,
-                   help="training steps per model (alone: the budget; with --minutes: a cap)")
-    d.add_argument("--batch", type=int, default=None, help=f"sequences per step (default {defaults.batch})")
-    d.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {defaults.seq_len})")
-    d.add_argument("--vocab-size", type=int, default=None,
-                   help=f"BPE vocabulary trained on the data (default {defaults.vocab_size})")
-    d.add_argument("--rank", type=int, default=None, help="initial TT rank of the CoMERA encoder (default: the size's)")
-    d.add_argument("--lr", type=float, default=None,
-                   help=f"CoMERA's learning rate, cc.param_groups(model, lr): TT cores 2x, gates 20x (default {defaults.lr:g})")
-    d.add_argument("--dense-lr", type=float, default=None,
-                   help=f"the dense model's learning rate (default {defaults.dense_lr:g}, the best of the README's sweep)")
-    d.add_argument("--warmup-steps", type=int, default=None,
-                   help=f"linear learning-rate warm-up, both models (default {defaults.warmup_steps})")
-    d.add_argument("--target-ratio", type=float, default=None, metavar="R",
-                   help="start RankAdaptive's late stage halfway through, steering the TT size toward R (0 < R <= 1) "
-                        "times its size then (default: early stage only)")
-    d.add_argument("--cut-every", type=int, default=None,
-                   help=f"steps between RankAdaptive's rank checks (default {defaults.cut_every})")
-    d.add_argument("--evals", type=int, default=None,
-                   help=f"held-out evaluations per model, at equal marks of the budget (default {defaults.evals})")
-    d.add_argument("--eval-blocks", type=int, default=None,
-                   help=f"held-out blocks evaluated (default {defaults.eval_blocks})")
-    d.add_argument("--seed", type=int, default=None, help=f"seed of split, init, data order, masks (default {defaults.seed})")
-    d.add_argument("--max-bytes", type=int, default=None,
-                   help=f"training text read, in bytes (default {defaults.max_bytes:,})")
+    # (option, type, what it sets), each a DemoConfig field; the default shown is the demo preset's.
+    for flag, kind, what in (
+            ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
+            ("--steps", int, "training steps per model (alone: the budget; with --minutes: a cap)"),
+            ("--batch", int, "sequences per step"),
+            ("--seq-len", int, "tokens per sequence"),
+            ("--vocab-size", int, "BPE vocabulary trained on the data"),
+            ("--rank", int, "initial TT rank of the CoMERA encoder (default: the size's)"),
+            ("--lr", float, "CoMERA's learning rate, cc.param_groups(model, lr): TT cores 2x, gates 20x"),
+            ("--dense-lr", float, "the dense model's learning rate (the best of the README's sweep)"),
+            ("--warmup-steps", int, "linear learning-rate warm-up, both models"),
+            ("--target-ratio", float, "start RankAdaptive's late stage halfway through, steering the TT size "
+                                      "toward this fraction (0, 1] of its size then (default: early stage only)"),
+            ("--cut-every", int, "steps between RankAdaptive's rank checks"),
+            ("--evals", int, "held-out evaluations per model, at equal marks of the budget"),
+            ("--eval-blocks", int, "held-out blocks evaluated"),
+            ("--seed", int, "seed of split, init, data order, masks"),
+            ("--max-bytes", int, "training text read, in bytes")):
+        default = getattr(defaults, flag[2:].replace("-", "_"))
+        shown = "" if default is None or "default" in what else f" (default {default:g})" if isinstance(
+            default, float) else f" (default {default})"
+        d.add_argument(flag, type=kind, default=None, help=what + shown)
     d.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     d.add_argument("--dense-backend", choices=("inductor", "eager"), default=None,
                    help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "
