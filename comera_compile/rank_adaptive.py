@@ -48,7 +48,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .layers import DEFAULT_TAU, TTLayer
 
-__all__ = ["RankAdaptive", "param_groups", "prefer_fast_implementation", "balance", "canonicalize", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+__all__ = ["RankAdaptive", "param_groups", "prefer_fast_implementation", "balance", "canonicalize", "CORE_LR_FACTOR",
+           "GATE_LR_FACTOR"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -353,7 +354,7 @@ class RankAdaptive:
                 ra.step()
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-                ra.cut()
+                ra.cut(share=False)
 
         return RankAdaptiveCallback()
 
@@ -507,10 +508,10 @@ class RankAdaptive:
                 total += math.prod(shape[1:-1]) * r[k] * r[k + 1]
         return total
 
-    def _allocation(self) -> dict[str, tuple[int, ...]]:
-        """The ranks a cut allocates each layer at: its active ranks, or with ``share_allocation`` the
-        largest active ranks among the layers of its shape (bond by bond)."""
-        if not self.share_allocation:
+    def _allocation(self, share: bool | None = None) -> dict[str, tuple[int, ...]]:
+        """The ranks a cut allocates each layer at: its active ranks, or when sharing (default:
+        ``share_allocation``) the largest active ranks among the layers of its shape (bond by bond)."""
+        if not (self.share_allocation if share is None else share):
             return dict(self._ranks)
         groups: dict[tuple, list[str]] = {}
         for name, layer in self.layers.items():
@@ -528,15 +529,16 @@ class RankAdaptive:
         return sum(math.prod(shape[1:-1]) * ranks[k] * ranks[k + 1] for k, shape in enumerate(shapes))
 
     @torch.no_grad()
-    def cut(self) -> int:
+    def cut(self, share: bool | None = None) -> int:
         """Cut switched-off rank slices out of the cores (and the optimizer's state) now: new, smaller
         Parameters.  Returns the number of parameters removed.  An optimizer that still holds a replaced
-        Parameter raises at its next step.  With ``share_allocation`` a layer keeps as many slices as the
-        largest active rank among the layers of its shape, its extra ones still switched off."""
+        Parameter raises at its next step.  When sharing (default: ``share_allocation``) a layer keeps as
+        many slices as the largest active rank among the layers of its shape, its extra ones still switched
+        off; ``share=False`` (the end of training: the smallest model) keeps only the active ones."""
         before = sum(m.tt_params() for m in self.layers.values())
         state = self.optimizer.state if self.optimizer is not None else {}
         retired: list[torch.Tensor] = []
-        allocation = self._allocation()
+        allocation = self._allocation(share)
         for name, layer in self.layers.items():
             keep = []
             for k, (g, m) in enumerate(zip(layer.gates, self.masks[name])):

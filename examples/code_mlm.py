@@ -372,7 +372,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     if not evals or evals[-1]["step"] != step:
         record_eval(step)
     if ra is not None:
-        ra.cut()  # what is switched off goes for real, so the parameter counts below are what is allocated
+        ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
     times = history["step_time_s"]
     steady = [t for i, t in enumerate(times) if i not in compile_steps] or times
     median = statistics.median(steady)

@@ -351,6 +351,10 @@ def test_repeated_blocks_compile_once_and_share_their_allocation(share):
     assert len(graphs) == (1 if share else 3)
     with torch.compiler.set_stance("force_eager"):
         torch.testing.assert_close(out, blocks(x), rtol=1e-5, atol=1e-6)
+        ra.cut(share=False)  # the end of training: every layer at its own active ranks, the same function
+        assert {name: layer.ranks[2] for name, layer in ra.layers.items()} == {
+            f"{i}.{n}": 2 + i for i in range(3) for n in ("up", "down")}
+        torch.testing.assert_close(out, blocks(x), rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
 
 
