@@ -174,6 +174,15 @@ class TTLayer(nn.Module):
     def dense_params(self) -> int:
         return self.spec.dense_params()
 
+    @torch.no_grad()
+    def _reset_cores(self, target_std: float) -> None:
+        """Fresh random cores (their product's entries of standard deviation target_std) and unit gates, in
+        place, at the current ranks, dtype and device."""
+        for core, fresh in zip(self.cores, random_cores(self.spec, target_std, dtype=torch.float64)):
+            core.copy_(fresh)
+        for gate in self.gates:
+            gate.fill_(1.0)
+
 
 class TTLinear(TTLayer):
     """y = x W^T + b with W held as a TT (tensor-train) factorization.
@@ -222,6 +231,16 @@ class TTLinear(TTLayer):
             with torch.no_grad():
                 layer.bias.copy_(bias.detach())
         return layer
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise as nn.Linear does (weight entries of its variance, bias U(-1/sqrt(in), 1/sqrt(in))):
+        what ``model.to_empty(device=...)`` followed by each module's reset_parameters() relies on, e.g. for
+        a model built on the meta device, which never holds a dense weight."""
+        self._reset_cores(1.0 / math.sqrt(3 * self.in_features))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            self.bias.uniform_(-bound, bound)
 
     @property
     def gemm_spec(self) -> TTSpec:
@@ -337,6 +356,12 @@ class TTEmbedding(TTLayer):
             strides.append(acc)
             acc *= v
         self._strides = tuple(reversed(strides))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-initialise as nn.Embedding does (rows N(0, 1); the padding row reads as zeros whatever the
+        cores hold): for ``model.to_empty(device=...)`` followed by each module's reset_parameters()."""
+        self._reset_cores(1.0)
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, padding_idx: int | None = None, *,

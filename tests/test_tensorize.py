@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
@@ -306,3 +307,51 @@ def test_containers_stay_containers():
     assert [type(m) for m in tt] == [TTLinear, nn.ReLU, TTLinear]
     tt.append(nn.Tanh())
     assert tt(torch.randn(2, 256)).shape == (2, 256)
+
+
+class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the largest tensor any aten op returns on a real (non-meta) device, in bytes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                self.largest = max(self.largest, t.numel() * t.element_size())
+        return out
+
+
+def test_a_model_built_on_the_meta_device_trains_without_any_dense_weight():
+    """Built under torch.device("meta") (no memory), tensorized, materialized with to_empty and each
+    module's reset_parameters (torch's convention): it trains, no tensor anywhere near a dense weight's size
+    is ever allocated, and the TT layers start at nn.Linear's / nn.Embedding's init statistics."""
+    torch.manual_seed(0)
+    with _LargestAllocation() as seen:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Embedding(100_000, 512), nn.Linear(512, 4096), nn.GELU(),
+                                  nn.Linear(4096, 512), nn.LayerNorm(512))
+        tt = cc.tensorize(model, rank=8)
+        tt.to_empty(device="cpu")
+        for m in tt.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        opt = torch.optim.AdamW(cc.param_groups(tt, lr=1e-3))
+        ids = torch.randint(0, 100_000, (2, 8))  # activations of 16 rows: far below a weight's size
+        for _ in range(2):
+            tt(ids).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    smallest_dense = 512 * 4096 * 4
+    assert seen.largest <= smallest_dense / 16, seen.largest
+    assert all(p.device.type == "cpu" and torch.isfinite(p).all() for p in tt.parameters())
+    emb, up = tt[0], tt[1]
+    assert isinstance(emb, cc.TTEmbedding) and isinstance(up, cc.TTLinear)
+    rows = emb(torch.randint(0, 100_000, (4096,)))  # rows of a fresh TT table: entries ~ N(0, 1)
+    fresh = cc.tensorize(nn.Linear(512, 4096), rank=8)
+    fresh.reset_parameters()
+    w = fresh.to_dense()
+    assert abs(w.std().item() * math.sqrt(3 * 512) - 1) < 0.2
+    assert abs(rows.std().item() - 1) < 0.35 and fresh.bias.abs().max() <= 1 / math.sqrt(512)
