@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from comera_compile.layers import TTEmbedding
+from comera_compile.embedding import TTEmbedding
 from comera_compile.memory import PeakMemory
 
 from .common import compare

@@ -21,7 +21,7 @@ from torch import nn
 
 from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes, saved_bytes
-from comera_compile.passes.memory import tempo
+from comera_compile.passes.module.tempo import tempo
 
 from .common import compare
 

@@ -1,44 +1,75 @@
 """comera-compile: tensor-train compressed, rank-adaptive training (CoMERA) as a torch.compile pass.
 
-Public API only; see README.md for a quick start.
+Public API only; see README.md for a quick start.  Names are imported on first use (PEP 562), so
+``import comera_compile`` costs little beyond torch, and importing the formats (``comera_compile.tt``) does
+not import the compiler.  The "comera" backend is found by torch.compile through the package's
+torch_dynamo_backends entry point; from a source tree that is not installed, importing the package
+registers it.
 """
 
-from comera_compile.backend import comera_backend, compile_step, register as _register_backend
-from comera_compile.checkpoint import from_pretrained, save_pretrained
-from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
-from comera_compile.memory import peak_bytes, saved_bytes
-from comera_compile.passes.memory import tempo
-from comera_compile.rank_adaptive import RankAdaptive, param_groups
-from comera_compile.passes.tensorize import (PRESETS, LayerShape, TensorizeError, TensorizeSummary, densify,
-                                             tensorize)
-from comera_compile.report import Explanation, explain
-from comera_compile.tt import TTSpec, make_spec
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_register_backend()
+# public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "TTSpec": "comera_compile.tt",
+    "make_spec": "comera_compile.tt",
+    "TTLinear": "comera_compile.layers",
+    "TTEmbedding": "comera_compile.embedding",
+    "TTEmbeddingBag": "comera_compile.embedding",
+    "tensorize": "comera_compile.passes.module.tensorize",
+    "densify": "comera_compile.passes.module.tensorize",
+    "LayerShape": "comera_compile.passes.module.tensorize",
+    "TensorizeSummary": "comera_compile.passes.module.tensorize",
+    "TensorizeError": "comera_compile.passes.module.tensorize",
+    "PRESETS": "comera_compile.passes.module.tensorize",
+    "save_pretrained": "comera_compile.checkpoint",
+    "from_pretrained": "comera_compile.checkpoint",
+    "explain": "comera_compile.report",
+    "Explanation": "comera_compile.report",
+    "comera_backend": "comera_compile.backend",
+    "compile_step": "comera_compile.backend",
+    "RankAdaptive": "comera_compile.rank_adaptive",
+    "param_groups": "comera_compile.rank_adaptive",
+    "tempo": "comera_compile.passes.module.tempo",
+    "saved_bytes": "comera_compile.memory",
+    "peak_bytes": "comera_compile.memory",
+}
 
-__all__ = [
-    "TTLinear",
-    "TTEmbedding",
-    "TTEmbeddingBag",
-    "TTSpec",
-    "make_spec",
-    "tensorize",
-    "densify",
-    "save_pretrained",
-    "from_pretrained",
-    "LayerShape",
-    "TensorizeSummary",
-    "TensorizeError",
-    "PRESETS",
-    "explain",
-    "Explanation",
-    "comera_backend",
-    "compile_step",
-    "RankAdaptive",
-    "param_groups",
-    "tempo",
-    "saved_bytes",
-    "peak_bytes",
-]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'comera_compile' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from comera_compile.backend import comera_backend, compile_step
+    from comera_compile.checkpoint import from_pretrained, save_pretrained
+    from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
+    from comera_compile.layers import TTLinear
+    from comera_compile.memory import peak_bytes, saved_bytes
+    from comera_compile.passes.module.tempo import tempo
+    from comera_compile.passes.module.tensorize import (PRESETS, LayerShape, TensorizeError, TensorizeSummary,
+                                                        densify, tensorize)
+    from comera_compile.rank_adaptive import RankAdaptive, param_groups
+    from comera_compile.report import Explanation, explain
+    from comera_compile.tt import TTSpec, make_spec
+else:
+    from comera_compile.backend import register as _register_backend
+
+    _register_backend()
+    del _register_backend

@@ -3,7 +3,7 @@
 ``torch.compile(model, backend="comera")`` works on any model, tensorized or not.  Dynamo inlines the TT
 layers' forward, whose contraction order was planned for the traced shapes (a constant at trace time), so
 the graph Inductor sees already holds the planned matmuls; TT-layer nodes left as call_module (graphs built
-by hand or by torch.fx) are expanded by passes.contraction first.  On CUDA inputs Inductor's CUDA Graph
+by hand or by torch.fx) are expanded by passes.fx.contraction first.  On CUDA inputs Inductor's CUDA Graph
 trees replay the compiled forward and backward with no per-kernel launch cost.
 """
 
@@ -24,11 +24,11 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "contraction": (True, "expand TT-layer call_module nodes into their planned contractions"),
     "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
     "fast_dropout": (True, "dropout masks from an integer hash of the element index computed inside Inductor's "
-                           "kernels (passes.dropout) instead of a per-element draw from torch's generator: same "
+                           "kernels (ops.hash_dropout) instead of a per-element draw from torch's generator: same "
                            "distribution, different bits, several times cheaper; the backward recomputes "
                            "the masks from two saved words instead of saving them"),
     "materialize_casts": (True, "integer -> float casts (attention masks) computed once into a buffer "
-                                "(passes.materialize) instead of inside every kernel they are broadcast into"),
+                                "(passes.fx.materialize) instead of inside every kernel they are broadcast into"),
     "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
@@ -71,7 +71,7 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     if opts["fast_dropout"]:
         from torch._inductor import config as inductor
 
-        from comera_compile.passes.dropout import RecomputeHashMasks
+        from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
         user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
         user = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
@@ -84,19 +84,19 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
     opts = _check_options(options)
     if opts["contraction"]:
-        from comera_compile.passes.contraction import expand_contractions
+        from comera_compile.passes.fx.contraction import expand_contractions
 
         expand_contractions(gm, example_inputs)
     if opts["memory"]:
-        from comera_compile.passes.memory import tempo_graph
+        from comera_compile.passes.fx.tempo import tempo_graph
 
-        return tempo_graph(gm).forward
+        return tempo_graph(gm).graph_module.forward
     if opts["fast_dropout"]:
-        from comera_compile.passes.dropout import fast_dropout
+        from comera_compile.passes.fx.dropout import fast_dropout
 
         fast_dropout(gm)
     if opts["materialize_casts"]:
-        from comera_compile.passes.materialize import materialize_int_casts
+        from comera_compile.passes.fx.materialize import materialize_int_casts
 
         materialize_int_casts(gm)
     from torch._inductor.compile_fx import compile_fx
@@ -110,11 +110,12 @@ def register() -> None:
     collide); otherwise (running from a source tree) register it directly."""
     from importlib.metadata import entry_points
 
+    if entry_points(group="torch_dynamo_backends", name="comera"):
+        return   # checked first: importing dynamo's registry costs more than the rest of the package
     from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 
-    if "comera" in _COMPILER_FNS or entry_points(group="torch_dynamo_backends", name="comera"):
-        return
-    register_backend(name="comera")(comera_backend)
+    if "comera" not in _COMPILER_FNS:
+        register_backend(name="comera")(comera_backend)
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters

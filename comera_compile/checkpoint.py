@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers import TTEmbedding, TTEmbeddingBag, TTLayer, TTLinear
+from .embedding import TTEmbedding, TTEmbeddingBag
+from .layers import TTLayer, TTLinear
 
 __all__ = ["WEIGHTS_NAME", "tt_layout", "apply_layout", "save_pretrained", "from_pretrained"]
 

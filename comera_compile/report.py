@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from .layers import DEFAULT_TAU, TTEmbedding, TTLayer
+from .embedding import TTEmbedding
+from .layers import DEFAULT_TAU, TTLayer
 
 __all__ = ["explain", "Explanation", "LayerRow"]
 

@@ -30,9 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.layers import TTEmbeddingBag
+from comera_compile.embedding import TTEmbeddingBag
 from comera_compile.memory import PeakMemory, storage_key
-from comera_compile.passes.tensorize import LayerShape, tensorize
+from comera_compile.passes.module.tensorize import LayerShape, tensorize
 from comera_compile.tt import balanced_factors, choose_modes
 
 __all__ = ["DLRM", "Teacher", "table_sizes", "make_batch", "auc", "run", "main"]

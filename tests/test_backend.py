@@ -117,7 +117,7 @@ def test_cuda_path_decisions_on_cpu():
 
 
 def test_mask_recompute_pass_joins_the_users_joint_passes():
-    from comera_compile.passes.dropout import RecomputeHashMasks
+    from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
     def mine(graph):
         pass
@@ -194,7 +194,7 @@ def test_compile_step_keeps_an_explicit_optimizer_implementation():
 
 
 def test_memory_option_applies_the_tempo_passes(caplog):
-    caplog.set_level(logging.INFO, logger="comera_compile.memory")
+    caplog.set_level(logging.INFO, logger="comera_compile.tempo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4)).double()
     x = torch.randn(6, 32, dtype=torch.float64, requires_grad=True)

@@ -1,4 +1,4 @@
-"""passes.contraction: TT-layer nodes expanded into their planned pairwise contractions."""
+"""passes.fx.contraction: TT-layer nodes expanded into their planned pairwise contractions."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 from comera_compile.layers import TTLinear
-from comera_compile.passes.contraction import expand_contractions
+from comera_compile.passes.fx.contraction import expand_contractions
 
 
 class TwoLayer(nn.Module):
@@ -39,7 +39,7 @@ def test_expanded_graph_matches_layer_outputs_and_gradients(shape, training):
     torch.manual_seed(0)
     dense = TwoLayer().double()
     gm = cc.tensorize(dense, rank=4, min_features=1, trace=True).train(training)
-    expanded = expand_contractions(copy.deepcopy(gm), (torch.zeros(shape, dtype=torch.float64),))
+    expanded = expand_contractions(copy.deepcopy(gm), (torch.zeros(shape, dtype=torch.float64),)).graph_module
     assert not any(n.op == "call_module" and isinstance(expanded.get_submodule(n.target), TTLinear)
                    for n in expanded.graph.nodes)
     x = torch.randn(shape, dtype=torch.float64)
@@ -60,7 +60,7 @@ def test_expanded_graph_matches_layer_outputs_and_gradients(shape, training):
 def test_expanded_code_shows_the_order_with_flops():
     torch.manual_seed(0)
     gm = cc.tensorize(TwoLayer(), rank=4, min_features=1, trace=True)
-    expanded = expand_contractions(gm, (torch.zeros(16, 37),))
+    expanded = expand_contractions(gm, (torch.zeros(16, 37),)).graph_module
     code = expanded.code
     plan = gm.up.plan(16)
     for k, eq in enumerate(plan.equations):
@@ -74,8 +74,8 @@ def test_expanded_code_shows_the_order_with_flops():
 
 def test_plan_follows_the_real_row_count():
     gm = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), rank=30, min_features=1, trace=True)
-    small = expand_contractions(copy.deepcopy(gm), (torch.zeros(1, 768),))
-    large = expand_contractions(copy.deepcopy(gm), (torch.zeros(4096, 768),))
+    small = expand_contractions(copy.deepcopy(gm), (torch.zeros(1, 768),)).graph_module
+    large = expand_contractions(copy.deepcopy(gm), (torch.zeros(4096, 768),)).graph_module
     eq = lambda g: [n.meta["comera_contraction"] for n in g.graph.nodes if "comera_contraction" in n.meta]
     assert eq(small) != eq(large)
 
@@ -85,7 +85,7 @@ def test_six_encoder_expands_and_matches():
     m = six_encoder.build(layers=1, vocab_size=100, d_model=48, heads=4, ffn=96, max_positions=32).double()
     gm = cc.tensorize(m, rank=5, min_features=40, trace=True).eval()
     ids, seg, mask = six_encoder.example_inputs(m, batch=2, seq=5)
-    expanded = expand_contractions(copy.deepcopy(gm), (ids, seg, mask))
+    expanded = expand_contractions(copy.deepcopy(gm), (ids, seg, mask)).graph_module
     torch.testing.assert_close(expanded(ids, seg, mask), gm(ids, seg, mask), rtol=1e-10, atol=1e-12)
 
 
@@ -100,4 +100,4 @@ def test_needs_shapes_and_a_graph_module():
 def test_graph_without_tt_layers_is_left_alone():
     gm = torch.fx.symbolic_trace(TwoLayer())
     before = gm.code
-    assert expand_contractions(gm, (torch.zeros(2, 37),)).code == before
+    assert expand_contractions(gm, (torch.zeros(2, 37),)).graph_module.code == before

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 import comera_compile as cc
 from comera_compile import network as nw
-from comera_compile.layers import TTEmbedding, TTEmbeddingBag
+from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -123,7 +123,7 @@ def test_every_candidate_plan_matches_dense_table(cfg, rows):
 
 
 def test_pair_products_in_chunks_gradcheck(monkeypatch):
-    from comera_compile.layers import _PairRows
+    from comera_compile.embedding import _PairRows
 
     monkeypatch.setattr(_PairRows, "CHUNK_ELEMENTS", 7)  # one row per chunk: every chunk boundary exercised
     g = torch.Generator().manual_seed(0)

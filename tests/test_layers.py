@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
-from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLinear
+from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
+from comera_compile.layers import TTLinear
 
 FULL = 10**9  # an int rank this large is capped at every bond's maximum: an exact factorization
 

@@ -21,7 +21,14 @@ from torch import nn
 
 from comera_compile.examples import six_encoder
 from comera_compile.memory import PeakMemory, SavedTensors, peak_bytes, saved_bytes
-from comera_compile.passes import memory as M
+from comera_compile.ops.attention import softmax_dropout_matmul
+from comera_compile.ops.bit_dropout import dropout, dropout_mask
+from comera_compile.ops.bits import pack_bits, unpack_bits
+from comera_compile.ops.gelu import gelu, gelu_dropout
+from comera_compile.ops.layer_norm import layer_norm
+from comera_compile.ops.tempo_modules import TempoDropout, TempoGELU, TempoLayerNorm
+from comera_compile.passes.fx.tempo import tempo_graph
+from comera_compile.passes.module.tempo import tempo, tempo_modules
 
 TOL = {torch.float32: 1e-5, torch.float64: 1e-10}
 X0 = {"none": -0.7517915246935645, "tanh": -0.7522}   # GELU's minimum (tanh form: roughly)
@@ -50,11 +57,11 @@ def grads_of(fn, inputs: list[torch.Tensor], grad_out: torch.Tensor) -> list[tor
 
 
 def same_mask_dropout(p: float, seed: int):
-    """Reference dropout: the mask M.dropout_mask draws from a generator seeded `seed`, applied as eager
+    """Reference dropout: the mask dropout_mask draws from a generator seeded `seed`, applied as eager
     dropout does (x * (mask / (1 - p))), differentiated by ordinary autograd."""
 
     def drop(x: torch.Tensor) -> torch.Tensor:
-        mask = M.dropout_mask(x.shape, p, generator=torch.Generator().manual_seed(seed))
+        mask = dropout_mask(x.shape, p, generator=torch.Generator().manual_seed(seed))
         return x * (mask.to(x.dtype) * (1.0 / (1.0 - p)))
 
     return drop
@@ -140,50 +147,50 @@ def test_peak_memory_follows_allocation_and_release():
 @settings(**SETTINGS)
 def test_pack_bits_matches_a_python_loop(flags):
     mask = torch.tensor(flags, dtype=torch.bool)
-    packed = M.pack_bits(mask)
+    packed = pack_bits(mask)
     expected = [sum(1 << k for k in range(8) if 8 * j + k < len(flags) and flags[8 * j + k])
                 for j in range((len(flags) + 7) // 8)]
     assert packed.tolist() == expected
-    assert torch.equal(M.unpack_bits(packed, mask.shape), mask)
+    assert torch.equal(unpack_bits(packed, mask.shape), mask)
 
 
 def test_unpack_bits_checks_its_input():
     with pytest.raises(ValueError, match="pack_bits made from 9 elements"):
-        M.unpack_bits(torch.zeros(1, dtype=torch.uint8), (9,))
+        unpack_bits(torch.zeros(1, dtype=torch.uint8), (9,))
 
 
 def test_dropout_masks_keep_the_right_fraction_and_are_reproducible():
     n = 600_000   # more than one slice of the elementwise loops
     for p in (0.1, 0.5, 0.9):
-        mask = M.dropout_mask((n,), p, generator=torch.Generator().manual_seed(3))
+        mask = dropout_mask((n,), p, generator=torch.Generator().manual_seed(3))
         rate = mask.double().mean().item()
         assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
-    a = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
-    b = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
-    c = M.dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(6))
+    a = dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
+    b = dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(5))
+    c = dropout_mask((4, 1000), 0.3, generator=torch.Generator().manual_seed(6))
     assert torch.equal(a, b) and not torch.equal(a, c)
     torch.manual_seed(0)
-    d1 = M.dropout_mask((1000,), 0.5)
-    d2 = M.dropout_mask((1000,), 0.5)   # the default generator moved on
+    d1 = dropout_mask((1000,), 0.5)
+    d2 = dropout_mask((1000,), 0.5)   # the default generator moved on
     assert not torch.equal(d1, d2)
     # Neighbouring elements are not correlated (two per random word, consecutive words).
-    m = M.dropout_mask((n,), 0.5, generator=torch.Generator().manual_seed(1)).double() - 0.5
+    m = dropout_mask((n,), 0.5, generator=torch.Generator().manual_seed(1)).double() - 0.5
     assert abs((m[1:] * m[:-1]).mean().item()) < 5 * 0.25 / math.sqrt(n)
     with pytest.raises(ValueError, match="between 0 and 1"):
-        M.dropout_mask((3,), 1.5)
+        dropout_mask((3,), 1.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_dropout_matches_the_same_mask_applied_by_hand(dtype):
     x = torch.randn(37, 301, dtype=dtype)
     g = torch.randn_like(x)
-    got = grads_of(lambda t: M.dropout(t, 0.3, generator=torch.Generator().manual_seed(4)), [x], g)
+    got = grads_of(lambda t: dropout(t, 0.3, generator=torch.Generator().manual_seed(4)), [x], g)
     ref = grads_of(same_mask_dropout(0.3, 4), [x], g)
     for a, b in zip(got, ref):
         close(a, b, dtype)
     # eval mode, p = 0 and p = 1 are the ordinary op
-    assert torch.equal(M.dropout(x, 0.3, training=False), x)
-    assert torch.equal(M.dropout(x, 1.0), torch.zeros_like(x))
+    assert torch.equal(dropout(x, 0.3, training=False), x)
+    assert torch.equal(dropout(x, 1.0), torch.zeros_like(x))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -200,7 +207,7 @@ tail = st.floats(-40.0, -2.5, allow_nan=False, width=32)
 def test_gelu_outputs_and_gradients_match_torch(xs, form, dtype, seed):
     x = torch.tensor(xs, dtype=dtype)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
-    got = grads_of(lambda t: M.gelu(t, form), [x], g)
+    got = grads_of(lambda t: gelu(t, form), [x], g)
     ref = grads_of(lambda t: F.gelu(t, approximate=form), [x], g)
     assert torch.equal(got[0], ref[0])   # the forward is F.gelu itself
     close(got[1], ref[1], dtype)
@@ -213,7 +220,7 @@ def test_gelu_gradient_on_a_dense_grid_across_both_branches(form, dtype):
     # beyond, in a tensor of several slices; upstream gradients up to 4 in size.
     x = torch.cat([torch.linspace(-1.2, -0.3, 200_001), torch.linspace(-30, 60, 200_001)]).to(dtype)
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(0), dtype=dtype).clamp_(-4, 4)
-    got = grads_of(lambda t: M.gelu(t, form), [x], g)[1]
+    got = grads_of(lambda t: gelu(t, form), [x], g)[1]
     ref = grads_of(lambda t: F.gelu(t, approximate=form), [x], g)[1]
     close(got, ref, dtype)
 
@@ -224,7 +231,7 @@ def test_gelu_dropout_matches_gelu_then_the_same_mask(dtype):
     x = torch.randn(3, 70_000, dtype=dtype) * 2
     g = torch.randn_like(x)
     for form in ("none", "tanh"):
-        got = grads_of(lambda t: M.gelu_dropout(t, 0.1, True, form, generator=torch.Generator().manual_seed(9)),
+        got = grads_of(lambda t: gelu_dropout(t, 0.1, True, form, generator=torch.Generator().manual_seed(9)),
                        [x], g)
         ref = grads_of(lambda t: same_mask_dropout(0.1, 9)(F.gelu(t, approximate=form)), [x], g)
         for a, b in zip(got, ref):
@@ -237,7 +244,7 @@ def test_gelu_keeps_less_and_falls_back_to_keeping_the_input():
         ye = F.gelu(x)
         eager_bytes = eager.bytes
     with SavedTensors() as tempo:
-        yt = M.gelu(x)
+        yt = gelu(x)
         breakdown = tempo.breakdown()
     assert eager_bytes == 4096 * 4
     # output (the next layer keeps it anyway), branch bits, and a few exact inputs (index + value)
@@ -247,11 +254,11 @@ def test_gelu_keeps_less_and_falls_back_to_keeping_the_input():
     # All inputs where inverting is ill-conditioned: the input itself is kept; gradients still exact.
     x = (torch.full((1000,), X0["none"]) + torch.linspace(-0.05, 0.05, 1000)).requires_grad_()
     with SavedTensors() as fallback:
-        y = M.gelu(x)
+        y = gelu(x)
         assert [n for _, n in fallback.breakdown() if n] == [4000, 4000, 125]   # output, input, branch bits
     del y
     g = torch.randn(1000)
-    close(grads_of(M.gelu, [x], g)[1], grads_of(F.gelu, [x], g)[1], torch.float32)
+    close(grads_of(gelu, [x], g)[1], grads_of(F.gelu, [x], g)[1], torch.float32)
 
 
 def test_gelu_non_finite_inputs_give_torch_s_gradients():
@@ -259,7 +266,7 @@ def test_gelu_non_finite_inputs_give_torch_s_gradients():
     x = torch.cat([torch.tensor([float("nan"), float("inf"), -float("inf"), -5.0, -0.75]),
                    torch.linspace(0.0, 3.0, 1000)])
     g = torch.ones_like(x)
-    got = grads_of(M.gelu, [x], g)
+    got = grads_of(gelu, [x], g)
     ref = grads_of(F.gelu, [x], g)
     assert ref[1][:3].isnan().all()
     close(got[1], ref[1], torch.float32)
@@ -267,14 +274,14 @@ def test_gelu_non_finite_inputs_give_torch_s_gradients():
 
 def test_gelu_other_dtypes_and_no_grad_run_the_original_op():
     x = torch.randn(64, dtype=torch.bfloat16, requires_grad=True)
-    assert M.gelu(x).grad_fn.name() == "GeluBackward0"
+    assert gelu(x).grad_fn.name() == "GeluBackward0"
     y = torch.randn(8, requires_grad=True)
     with torch.no_grad():
-        out = M.gelu(y)
+        out = gelu(y)
     assert out.grad_fn is None and torch.equal(out, F.gelu(y.detach()))
-    assert M.gelu(y).grad_fn.name().startswith("_Gelu")
+    assert gelu(y).grad_fn.name().startswith("_Gelu")
     with pytest.raises(ValueError, match="'none' or 'tanh'"):
-        M.gelu(y, "sigmoid")
+        gelu(y, "sigmoid")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,7 +311,7 @@ def test_layer_norm_matches_torch(rows, shape, affine, dtype, seed):
             return f(x, shape, wb[0], wb[1], 1e-5)
         return run
 
-    got = grads_of(call(M.layer_norm), inputs, g)
+    got = grads_of(call(layer_norm), inputs, g)
     ref = grads_of(call(F.layer_norm), inputs, g)
     for a, r in zip(got, ref):
         close(a, r, dtype)
@@ -314,7 +321,7 @@ def test_layer_norm_keeps_its_output_not_its_input():
     ln = nn.LayerNorm(64)
     x = torch.randn(32, 64, requires_grad=True)
     with SavedTensors(exclude=ln) as saved:
-        y = M.layer_norm(x, (64,), ln.weight, ln.bias)
+        y = layer_norm(x, (64,), ln.weight, ln.bias)
         kept = saved.breakdown()
     assert kept[0] == ("(32, 64) torch.float32", 32 * 64 * 4)     # the output
     assert sum(n for _, n in kept[1:]) <= 32 * 4 + 16              # 1/std per row (and empty extras)
@@ -332,13 +339,13 @@ def test_softmax_dropout_matmul_matches_the_unfused_ops(dtype, v_shape):
     s = torch.randn(2, 3, 17, 17, dtype=dtype)
     v = torch.randn(v_shape, dtype=dtype)
     g = torch.randn(2, 3, 17, 8, dtype=dtype)
-    got = grads_of(lambda a, b: M.softmax_dropout_matmul(a, b, 0.2, generator=torch.Generator().manual_seed(2)),
+    got = grads_of(lambda a, b: softmax_dropout_matmul(a, b, 0.2, generator=torch.Generator().manual_seed(2)),
                    [s, v], g)
     ref = grads_of(lambda a, b: same_mask_dropout(0.2, 2)(torch.softmax(a, -1)) @ b, [s, v], g)
     for a, b in zip(got, ref):
         close(a, b, dtype)
     # eval mode is exactly softmax then matmul
-    assert torch.equal(M.softmax_dropout_matmul(s, v, 0.2, training=False), torch.softmax(s, -1) @ v)
+    assert torch.equal(softmax_dropout_matmul(s, v, 0.2, training=False), torch.softmax(s, -1) @ v)
 
 
 def test_attention_keeps_the_softmax_output_once_and_the_mask_as_bits():
@@ -349,7 +356,7 @@ def test_attention_keeps_the_softmax_output_once_and_the_mask_as_bits():
         out_e = F.dropout(torch.softmax(s, -1), 0.1) @ v
         eager_bytes = eager.bytes
     with SavedTensors() as tempo:
-        out_t = M.softmax_dropout_matmul(s, v, 0.1)
+        out_t = softmax_dropout_matmul(s, v, 0.1)
         tempo_bytes = tempo.bytes
     assert tempo_bytes == probs_bytes + probs_bytes // 32 + v.numel() * 4
     assert eager_bytes >= 3 * probs_bytes   # softmax output, float mask and dropped-out copy
@@ -363,18 +370,18 @@ def test_gradcheck_float64():
     x = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
     with torch.no_grad():
         x[0, :3] = torch.tensor([-0.76, -3.5, 20.0], dtype=torch.float64)  # window, tail, flat right side
-    assert torch.autograd.gradcheck(M.gelu, (x,))
-    assert torch.autograd.gradcheck(lambda t: M.gelu(t, "tanh"), (x,))
-    assert torch.autograd.gradcheck(seeded(lambda t, generator: M.gelu_dropout(t, 0.3, generator=generator)), (x,))
-    assert torch.autograd.gradcheck(seeded(lambda t, generator: M.dropout(t, 0.3, generator=generator)), (x,))
+    assert torch.autograd.gradcheck(gelu, (x,))
+    assert torch.autograd.gradcheck(lambda t: gelu(t, "tanh"), (x,))
+    assert torch.autograd.gradcheck(seeded(lambda t, generator: gelu_dropout(t, 0.3, generator=generator)), (x,))
+    assert torch.autograd.gradcheck(seeded(lambda t, generator: dropout(t, 0.3, generator=generator)), (x,))
     w = torch.randn(7, dtype=torch.float64, requires_grad=True)
     b = torch.randn(7, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda *a: M.layer_norm(a[0], (7,), a[1], a[2]), (x, w, b))
-    assert torch.autograd.gradcheck(lambda t: M.layer_norm(t, (7,)), (x,))
+    assert torch.autograd.gradcheck(lambda *a: layer_norm(a[0], (7,), a[1], a[2]), (x, w, b))
+    assert torch.autograd.gradcheck(lambda t: layer_norm(t, (7,)), (x,))
     s = torch.randn(2, 5, 5, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
-        seeded(lambda a, c, generator: M.softmax_dropout_matmul(a, c, 0.25, generator=generator)), (s, v))
+        seeded(lambda a, c, generator: softmax_dropout_matmul(a, c, 0.25, generator=generator)), (s, v))
 
 
 def test_gradient_buffer_is_reused_only_when_nobody_else_holds_it():
@@ -384,12 +391,12 @@ def test_gradient_buffer_is_reused_only_when_nobody_else_holds_it():
     ref = grads_of(lambda t: F.gelu(t) @ w, [x], torch.ones(5, 7))[1]
     # Upstream gradient from a matmul (owned by autograd alone): reused in place; still correct.
     x.grad = None
-    (M.gelu(x) @ w).sum().backward()
+    (gelu(x) @ w).sum().backward()
     close(x.grad, ref, torch.float32)
     # A hook keeps the upstream gradient: it must come out unchanged.
     kept = []
     x.grad = None
-    y = M.gelu(x)
+    y = gelu(x)
     y.register_hook(lambda gr: kept.append(gr))
     (y @ w).sum().backward()
     close(x.grad, ref, torch.float32)
@@ -397,7 +404,7 @@ def test_gradient_buffer_is_reused_only_when_nobody_else_holds_it():
     # A gradient the caller passes in is not overwritten.
     g = torch.randn(5, 300)
     g_copy = g.clone()
-    M.gelu(x).backward(g)
+    gelu(x).backward(g)
     assert torch.equal(g, g_copy)
 
 
@@ -422,7 +429,7 @@ class MaskReplayDropout(nn.Module):
     def forward(self, x):
         if not self.training:
             return x
-        mask = M.dropout_mask(x.shape, self.p)
+        mask = dropout_mask(x.shape, self.p)
         return x * (mask.to(x.dtype) * (1.0 / (1.0 - self.p)))
 
 
@@ -430,7 +437,7 @@ def test_tempo_graph_on_an_encoder_layer_matches_autograd_with_the_same_masks():
     layer = _layer()
     ref = copy.deepcopy(layer)
     ref.dropout = ref.attention.dropout = MaskReplayDropout(0.1)
-    gm = M.tempo_graph(torch.fx.symbolic_trace(layer))
+    gm = tempo_graph(torch.fx.symbolic_trace(layer)).graph_module
     assert gm.tempo_summary.counts() == {"attention": 1, "gelu": 1, "dropout": 2, "layer_norm": 2}
     targets = {n.target for n in gm.graph.nodes}
     assert torch.softmax not in targets and F.gelu not in targets
@@ -456,7 +463,7 @@ def test_tempo_graph_saves_less_and_peaks_lower_than_eager():
     # Tensors of several slices (below one slice the scratch buffers weigh more than what is saved).
     torch.manual_seed(0)
     layer = six_encoder.build(layers=1, d_model=128, heads=4, ffn=512).layers[0]
-    gm = M.tempo_graph(torch.fx.symbolic_trace(copy.deepcopy(layer)))
+    gm = tempo_graph(torch.fx.symbolic_trace(copy.deepcopy(layer))).graph_module
     x = torch.randn(8, 128, 128, requires_grad=True)
     eager = saved_bytes(layer, x, None, exclude=layer)
     tempo = saved_bytes(gm, x, None, exclude=gm)
@@ -487,7 +494,7 @@ def test_tempo_graph_recognises_functional_forms():
             return a.matmul(torch.ones(16, 2, dtype=torch.float64)) + torch.dropout(h, 0.1, True).sum() + \
                 k.sum() + e.sum()
 
-    gm = M.tempo_graph(torch.fx.symbolic_trace(Block()))
+    gm = tempo_graph(torch.fx.symbolic_trace(Block())).graph_module
     assert gm.tempo_summary.counts() == {"attention": 2, "gelu+dropout": 2, "dropout": 1, "layer_norm": 1}
     q = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
@@ -514,7 +521,7 @@ def test_tempo_graph_leaves_what_it_does_not_recognise():
 
     gm = torch.fx.symbolic_trace(Odd())
     before = [(n.op, n.target) for n in gm.graph.nodes]
-    M.tempo_graph(gm)
+    tempo_graph(gm)
     after = [(n.op, n.target) for n in gm.graph.nodes]
     kept = gm.tempo_summary.kept
     assert any("dim 1" in why for why in kept.values())
@@ -528,7 +535,7 @@ def test_tempo_graph_leaves_what_it_does_not_recognise():
     gm(x).sum().backward()   # runs, and autograd's in-place checks are satisfied
     assert "tempo (FX graph): replaced 1 dropout;" in str(gm.tempo_summary)
     with pytest.raises(TypeError, match="tempo_modules"):
-        M.tempo_graph(Odd())
+        tempo_graph(Odd())
 
 
 def test_gelu_is_not_fused_with_a_dropout_whose_output_is_overwritten():
@@ -537,7 +544,7 @@ def test_gelu_is_not_fused_with_a_dropout_whose_output_is_overwritten():
         e.mul_(3.0)        # the fused version would keep e for backward
         return e
 
-    gm = M.tempo_graph(torch.fx.symbolic_trace(f))
+    gm = tempo_graph(torch.fx.symbolic_trace(f)).graph_module
     assert gm.tempo_summary.counts() == {"gelu": 1, "dropout": 1}
     x = torch.randn(4, 50, requires_grad=True)
     gm(x).sum().backward()
@@ -547,7 +554,7 @@ def test_gelu_is_not_fused_with_a_dropout_whose_output_is_overwritten():
 def test_tempo_graph_keeps_the_model_parameters_and_state_dict():
     layer = _layer()
     keys = list(layer.state_dict())
-    gm = M.tempo(layer)   # traces (the model's modules shared), then rewrites the graph
+    gm = tempo(layer)   # traces (the model's modules shared), then rewrites the graph
     assert isinstance(gm, torch.fx.GraphModule)
     assert list(gm.state_dict()) == keys
     assert type(layer.attention.dropout) is nn.Dropout and type(layer.attn_norm) is nn.LayerNorm
@@ -561,7 +568,7 @@ def test_tempo_graph_composes_with_tensorize():
     torch.manual_seed(0)
     model = six_encoder.build(**SMALL)
     tt = cc.tensorize(model, rank=4, min_features=16, trace=True)
-    gm = M.tempo_graph(tt)
+    gm = tempo_graph(tt).graph_module
     assert gm.tempo_summary.counts()["attention"] == 1
     assert any(n.op == "call_module" and isinstance(gm.get_submodule(n.target), TTLinear)
                for n in gm.graph.nodes)
@@ -599,11 +606,11 @@ def test_tempo_modules_swaps_and_shares_parameters():
     ref = copy.deepcopy(model)
     ref.drop = ref.same_drop = MaskReplayDropout(0.2)
     with pytest.warns(UserWarning, match="cannot trace"):
-        out = M.tempo(model)
+        out = tempo(model)
     assert out is model and not out.tempo_summary.traced
-    assert type(model.norm) is M.TempoLayerNorm and model.norm.weight is weight
-    assert type(model.act) is M.TempoGELU and model.act.approximate == "tanh"
-    assert model.drop is model.same_drop and type(model.drop) is M.TempoDropout
+    assert type(model.norm) is TempoLayerNorm and model.norm.weight is weight
+    assert type(model.act) is TempoGELU and model.act.approximate == "tanh"
+    assert model.drop is model.same_drop and type(model.drop) is TempoDropout
     assert type(model.keep) is nn.Dropout
     assert set(out.tempo_summary.replaced) == {"norm", "act", "drop", "same_drop"}
     assert "keep" in out.tempo_summary.kept
@@ -620,8 +627,8 @@ def test_tempo_modules_swaps_and_shares_parameters():
 def test_tempo_modules_recognises_transformers_gelu():
     activations = pytest.importorskip("transformers.activations")
     model = nn.Sequential(activations.GELUActivation(), activations.GELUTanh(), nn.Linear(4, 4))
-    M.tempo_modules(model)
+    tempo_modules(model)
     assert [type(m).__name__ for m in model] == ["TempoGELU", "TempoGELU", "Linear"]
     assert [m.approximate for m in model[:2]] == ["none", "tanh"]
     with pytest.raises(TypeError, match="nn.Module"):
-        M.tempo_modules(lambda x: x)
+        tempo_modules(lambda x: x)

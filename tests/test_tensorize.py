@@ -13,7 +13,8 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.examples import six_encoder
-from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.embedding import TTEmbedding
+from comera_compile.layers import TTLinear
 
 FULL = 10**9  # an int rank this large is capped at every bond's largest meaningful rank: exact TT-SVD
 

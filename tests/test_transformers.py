@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import comera_compile as cc
-from comera_compile.layers import TTEmbedding, TTLinear
+from comera_compile.embedding import TTEmbedding
+from comera_compile.layers import TTLinear
 
 transformers = pytest.importorskip("transformers")
 

@@ -21,17 +21,10 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from comera_compile import network
 from comera_compile.layers import TTLinear
+from comera_compile.passes import GraphPassResult, node_shape
 from comera_compile.tt import gemm_core_padding
 
 __all__ = ["expand_contractions"]
-
-
-def _shape_of(node: torch.fx.Node) -> tuple[int, ...] | None:
-    val = node.meta.get("val", node.meta.get("example_value"))
-    if isinstance(val, torch.Tensor):
-        return tuple(val.shape)
-    tm = node.meta.get("tensor_meta")
-    return tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None
 
 
 def _propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> None:
@@ -68,8 +61,9 @@ def _comment_transformer(comments: dict[str, str]):
 
 
 def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None, *,
-                        training: bool | None = None) -> torch.fx.GraphModule:
-    """Replace every TTLinear call in `gm` by its planned pairwise contractions, in place; returns gm.
+                        training: bool | None = None) -> GraphPassResult:
+    """Replace every TTLinear call in `gm` by its planned pairwise contractions, in place; returns
+    GraphPassResult(gm, count of expanded layers).
 
     Shapes come from the nodes' metadata (dynamo and AOTAutograd graphs carry them) or, when missing, from
     running `example_inputs` through fake tensors.  `training` picks the plan's objective: forward +
@@ -81,8 +75,8 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
     tt_nodes = [n for n in gm.graph.nodes if n.op == "call_module"
                 and isinstance(gm.get_submodule(n.target), TTLinear)]
     if not tt_nodes:
-        return gm
-    if any(_shape_of(n.args[0]) is None for n in tt_nodes):
+        return GraphPassResult(gm, 0)
+    if any(node_shape(n.args[0]) is None for n in tt_nodes):
         if example_inputs is None:
             raise ValueError("expand_contractions needs the input shapes: pass example_inputs (real or fake "
                              "tensors, as for gm(*example_inputs)), or a graph whose nodes carry "
@@ -94,7 +88,7 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
         mod: TTLinear = gm.get_submodule(node.target)
         spec = mod.gemm_spec
         (x,) = node.args
-        shape = _shape_of(x)
+        shape = node_shape(x)
         lead = shape[:-1]
         rows = math.prod(lead)
         plan = mod.plan(rows, training, training)
@@ -147,4 +141,4 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
     graph.on_generate_code(_comment_transformer(comments))
     graph.lint()
     gm.recompile()
-    return gm
+    return GraphPassResult(gm, len(tt_nodes))

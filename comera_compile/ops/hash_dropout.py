@@ -17,15 +17,12 @@ the "comera" backend runs it by default (option ``fast_dropout``).
 from __future__ import annotations
 
 import torch
-import torch.fx
-import torch.nn.functional as F
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.utils.checkpoint import CheckpointPolicy
 
-from comera_compile.passes.materialize import materialize
+from comera_compile.ops.materialize import materialize
 
-__all__ = ["hash_dropout", "HashDropout", "fast_dropout", "recompute_hash_masks", "RecomputeHashMasks"]
+__all__ = ["hash_dropout", "HashDropout"]
+
 
 _M32 = 0xFFFFFFFF
 _INT32_INDICES = 2**31   # tensors with fewer elements hash in int32
@@ -75,53 +72,6 @@ def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
     return _mix64((idx * (words[0] * 2 + 1) + words[1]) & _M32) >= round(p * 2**32)
 
 
-def _integral(node: torch.fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
-
-
-def recompute_hash_masks(graph: torch.fx.Graph) -> int:
-    """Tag the integer/bool nodes of every hash-dropout mask in a joint forward-backward graph
-    MUST_RECOMPUTE, so AOTAutograd's partitioner saves the two random words for the backward and
-    recomputes the mask there instead of saving it; returns how many nodes were tagged.
-
-    Recomputing costs a few integer operations per element inside a kernel the backward runs anyway; a
-    saved mask costs a byte per element of memory and, on CPU, Inductor's bool stores are slow (about
-    10 ns per element, several times the cost of the rest of the dropout's kernel)."""
-    words = [n for n in graph.nodes
-             if n.op == "call_function" and n.target is torch.ops.comera.opaque_copy.default and _integral(n)]
-    tagged: set[torch.fx.Node] = set()
-    todo = [u for w in words for u in w.users]
-    while todo:                                   # everything integral computed from the words
-        node = todo.pop()
-        if node in tagged or node.op != "call_function" or not _integral(node):
-            continue
-        tagged.add(node)
-        todo.extend(node.users)
-    todo = [a for n in tagged for a in n.all_input_nodes]
-    while todo:                                   # and the integral inputs beside them (the iota)
-        node = todo.pop()
-        if node in tagged or node.op != "call_function" or not _integral(node):
-            continue
-        if node.target is torch.ops.comera.opaque_copy.default:
-            continue
-        tagged.add(node)
-        todo.extend(node.all_input_nodes)
-    for node in tagged:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(tagged)
-
-
-class RecomputeHashMasks(CustomGraphPass):
-    """recompute_hash_masks as an Inductor joint-graph pass (config ``joint_custom_pre_pass``)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        recompute_hash_masks(graph)
-
-    def uuid(self) -> str:
-        return "comera.passes.dropout.recompute_hash_masks/1"
-
-
 def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.dropout`` with hash-based masks (see the module docstring)."""
     if not 0.0 <= p <= 1.0:
@@ -142,31 +92,3 @@ class HashDropout(nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return hash_dropout(input, self.p, self.training, self.inplace)
-
-
-_FUNCTIONAL = (F.dropout, torch.dropout)
-
-
-def fast_dropout(gm: torch.fx.GraphModule) -> int:
-    """Replace gm's dropouts -- F.dropout / torch.dropout calls and nn.Dropout submodules -- by hash
-    dropout, in place; returns how many were replaced."""
-    count = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _FUNCTIONAL:
-            if node.target is torch.dropout and "train" in node.kwargs:  # torch.dropout(input, p, train)
-                kwargs = dict(node.kwargs)
-                kwargs["training"] = kwargs.pop("train")
-                node.kwargs = kwargs
-            node.target = hash_dropout
-            count += 1
-        elif node.op == "call_module":
-            mod = gm.get_submodule(node.target)
-            if type(mod) is nn.Dropout:
-                new = HashDropout(mod.p, mod.inplace)
-                new.train(mod.training)
-                parent, _, name = node.target.rpartition(".")
-                setattr(gm.get_submodule(parent) if parent else gm, name, new)
-                count += 1
-    if count:
-        gm.recompile()
-    return count

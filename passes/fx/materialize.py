@@ -13,31 +13,17 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-__all__ = ["materialize", "materialize_int_casts"]
+from comera_compile.ops.materialize import OPAQUE_COPY
+from comera_compile.passes import GraphPassResult, node_value
 
-
-@torch.library.custom_op("comera::opaque_copy", mutates_args=())
-def materialize(t: torch.Tensor) -> torch.Tensor:
-    """A copy of t that Inductor keeps as a buffer (see the module docstring).  No gradient: for integer
-    tensors and values computed from them."""
-    return t.clone()
-
-
-@materialize.register_fake
-def _(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty_like(t)
+__all__ = ["materialize_int_casts"]
 
 
 _CAST_METHODS = {"to", "float", "double", "half", "bfloat16", "type", "type_as"}
 _CAST_FUNCTIONS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as}
 
 
-def _value(node: object) -> torch.Tensor | None:
-    val = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, torch.fx.Node) else None
-    return val if isinstance(val, torch.Tensor) else None
-
-
-def materialize_int_casts(gm: torch.fx.GraphModule) -> int:
+def materialize_int_casts(gm: torch.fx.GraphModule) -> GraphPassResult:
     """Route every cast of an integer or bool tensor to a floating dtype through materialize, in place,
     so Inductor converts each element once instead of in every kernel the result is broadcast into.
     Needs the fake values dynamo records (node.meta["example_value"]); returns how many were routed."""
@@ -45,18 +31,18 @@ def materialize_int_casts(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         is_cast = ((node.op == "call_method" and node.target in _CAST_METHODS)
                    or (node.op == "call_function" and node.target in _CAST_FUNCTIONS))
-        out, src = _value(node), _value(node.args[0] if node.args else None)
+        out, src = node_value(node), node_value(node.args[0] if node.args else None)
         if not is_cast or out is None or src is None:
             continue
         if src.is_floating_point() or src.is_complex() or not out.is_floating_point() or out.requires_grad:
             continue
         users = list(node.users)
         with gm.graph.inserting_after(node):
-            copy = gm.graph.call_function(torch.ops.comera.opaque_copy.default, (node,))
+            copy = gm.graph.call_function(OPAQUE_COPY, (node,))
         copy.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})
         for user in users:
             user.replace_input_with(node, copy)
         count += 1
     if count:
         gm.recompile()
-    return count
+    return GraphPassResult(gm, count)

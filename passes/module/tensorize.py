@@ -24,7 +24,8 @@ import torch.fx
 from torch import nn
 
 from comera_compile.checkpoint import save_pretrained
-from comera_compile.layers import TTEmbedding, TTEmbeddingBag, TTLayer, TTLinear
+from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
+from comera_compile.layers import TTLayer, TTLinear
 
 __all__ = ["tensorize", "densify", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
 
@@ -198,7 +199,7 @@ def _trace_both_modes(model: nn.Module) -> torch.fx.Graph:
     return graphs[was_training]
 
 
-def _trace(model: nn.Module) -> torch.fx.GraphModule:
+def trace_model(model: nn.Module) -> torch.fx.GraphModule:
     graph = _trace_both_modes(model)
     name = type(model).__name__
     gm = torch.fx.GraphModule(model, graph, name)
@@ -394,7 +395,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     result: nn.Module = work
     if trace:
         try:
-            result = _trace(work)
+            result = trace_model(work)
             summary.traced = True
         except Exception as e:  # torch.fx raises many kinds of errors for untraceable code
             summary.trace_error = f"{type(e).__name__}: {e}".split("\n")[0]

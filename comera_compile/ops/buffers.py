@@ -1,0 +1,110 @@
+"""Buffers of the Tempo ops' elementwise loops: slice-sized scratch reused across slices, and the
+incoming gradient's own buffer reused for the input gradient when nothing else can see it.
+
+Elementwise work runs in slices of 2^17 (forward: 2^19) elements with reused scratch buffers (fresh memory
+costs a page fault per 4 KiB on first touch, as much as the arithmetic), and a backward writes its result
+into the incoming gradient's buffer when nothing else can see that buffer.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box"]
+
+
+FLOATS = (torch.float32, torch.float64)
+# Elements per slice of the elementwise loops (multiples of 8: whole bytes of bits).  Backward passes, which
+# run at the step's memory peak, take smaller slices (less scratch); forward passes larger (fewer ops).
+_CHUNK = 1 << 17
+_CHUNK_FORWARD = 1 << 19
+
+
+def chunks(n: int, size: int = _CHUNK) -> Iterator[tuple[int, int]]:
+    """(start, stop) slices of range(n)."""
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
+
+
+def forward_chunk(n: int) -> int:
+    """Slice length for a forward loop over n elements: large, but at most a quarter of the tensor (scratch
+    buffers a few times the slice would otherwise outweigh what the pass saves on mid-sized tensors)."""
+    return max(_CHUNK, min(_CHUNK_FORWARD, (n // 4 + 7) // 8 * 8))
+
+
+class Scratch:
+    """Slice-sized buffers reused across the slices of one call: raw bytes per name, viewed as any dtype,
+    so loops run one after another share them."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.counter: torch.Tensor | None = None   # the random stream's word counters (times the constant)
+
+    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = n * dtype.itemsize
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, 1 << 14), dtype=torch.uint8, device=self.device)
+            self.buffers[name] = buf
+        return buf[:nbytes].view(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Gradient buffers: a backward may write its result into the incoming gradient when nothing else can see it
+
+
+def _ref_counts(t: torch.Tensor) -> tuple[int, ...]:
+    """Python and C++ reference counts of t, of its storage and of its base (if t is a view)."""
+    base = t._base
+    counts = (sys.getrefcount(t), t._use_count(), torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    if base is not None:
+        counts += (sys.getrefcount(base), base._use_count())
+    return counts
+
+
+def _sole_owner_counts(make: Callable[[], torch.Tensor]) -> tuple[int, ...]:
+    """_ref_counts of a tensor referenced by nothing but a local variable, reached as in take_grad."""
+    grads = [make()]
+    grad = grads.pop()
+    return _ref_counts(grad)
+
+
+def _sole_counts(view: bool) -> tuple[int, ...] | None:
+    """The counts of a sole-owned tensor (a view when `view`), measured now: the interpreter's own
+    references to a frame's locals can change during a run (after a failed torch.compile, for one), so
+    a baseline taken once at import would stop matching.  None without the private APIs."""
+    try:
+        return _sole_owner_counts((lambda: torch.empty(8).view(2, 4)) if view else (lambda: torch.empty(8)))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+_REFCOUNTS = _sole_counts(False) is not None   # without them, gradients are never reused (always new)
+
+
+def take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gradient, buffer for the input gradient) from a boxed backward's gradient list (emptied).
+
+    The buffer is the gradient itself when no one else holds it, its storage or its base (no hook kept
+    it, it is not expanded, not shared with another consumer): as autograd's AccumulateGrad steals a
+    gradient it owns, this saves a full-size allocation at the backward pass's peak.  Otherwise a new one."""
+    grad = grads.pop()
+    grads.clear()
+    if _REFCOUNTS and grad.is_contiguous() and not grad.requires_grad and \
+            _ref_counts(grad) == _sole_counts(grad._base is not None):
+        return grad, grad
+    grad = grad.contiguous()
+    return grad, torch.empty_like(grad)
+
+
+def may_box() -> bool:
+    """Whether the Functions may take their gradients boxed (not under torch.compile or compiled autograd,
+    which do not support it)."""
+    if torch.compiler.is_compiling():
+        return False
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return not (ca is not None and getattr(ca, "compiled_autograd_enabled", False))

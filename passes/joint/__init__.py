@@ -1,0 +1,1 @@
+"""Passes on Inductor's joint forward + backward graph (see comera_compile.passes)."""
