@@ -7,6 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+from torch import nn
+
 __all__ = ["Measurement", "compare", "format_flat_rows"]
 
 
@@ -49,3 +52,16 @@ def format_flat_rows(rows: list[dict]) -> str:
         f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v:,}" if isinstance(v, int) else f"{k} {v}"
         for k, v in r.items() if k != "benchmark")
         for r in rows)
+
+
+def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module) -> Callable[..., torch.Tensor]:
+    """An eager training step, step(*inputs, target) -> detached loss: forward, loss, backward, optimizer step."""
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        *inputs, target = batch
+        loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+

@@ -18,7 +18,6 @@ in eager mode, the same computation the compiled step runs (which fuses, and so 
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ import comera_compile as cc
 from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes, storage_key
 
-from .common import compare, format_flat_rows as format_rows
+from .common import compare, eager_step, format_flat_rows as format_rows
 
 __all__ = ["run", "format_rows", "galore_optimizer", "persistent_bytes"]
 
@@ -59,17 +58,6 @@ def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module) -> Callable[..., torch.Tensor]:
-    def step(*batch: torch.Tensor) -> torch.Tensor:
-        *inputs, target = batch
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
-
-
 def run(quick: bool = False, seq: int = 128) -> list[dict]:
     """Median step time and tracked memory of dense AdamW, GaLore and CoMERA at batch 1."""
     layers = 1 if quick else 6
@@ -87,9 +75,9 @@ def run(quick: bool = False, seq: int = 128) -> list[dict]:
     opts = {"dense AdamW": torch.optim.AdamW(dense.parameters(), lr=1e-4),
             "GaLore": galore_optimizer(galore), "CoMERA": torch.optim.AdamW(tt.parameters(), lr=1e-4),
             "CoMERA eager": torch.optim.AdamW(tt_eager.parameters(), lr=1e-4)}
-    steps = {"dense AdamW": _eager_step(dense, opts["dense AdamW"], loss_fn),
-             "GaLore": _eager_step(galore, opts["GaLore"], loss_fn),
-             "CoMERA": (_eager_step(tt, opts["CoMERA"], loss_fn) if quick
+    steps = {"dense AdamW": eager_step(dense, opts["dense AdamW"], loss_fn),
+             "GaLore": eager_step(galore, opts["GaLore"], loss_fn),
+             "CoMERA": (eager_step(tt, opts["CoMERA"], loss_fn) if quick
                         else cc.compile_step(tt, loss_fn, opts["CoMERA"], backend="comera"))}
     t0 = time.perf_counter()
     steps["CoMERA"](*batch)
@@ -100,7 +88,7 @@ def run(quick: bool = False, seq: int = 128) -> list[dict]:
 
     # memory: the CoMERA step in eager mode (same computation), after a warm-up step made optimizer state
     eager_steps = {"dense AdamW": steps["dense AdamW"], "GaLore": steps["GaLore"],
-                   "CoMERA": _eager_step(tt_eager, opts["CoMERA eager"], loss_fn)}
+                   "CoMERA": eager_step(tt_eager, opts["CoMERA eager"], loss_fn)}
     eager_steps["CoMERA"](*batch)
     models = {"dense AdamW": dense, "GaLore": galore, "CoMERA": tt_eager}
     mem = {}

@@ -15,7 +15,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 
-from .common import compare, format_flat_rows as format_rows
+from .common import compare, eager_step, format_flat_rows as format_rows
 
 __all__ = ["run", "format_rows"]
 
@@ -24,14 +24,7 @@ def _step_fn(model: nn.Module, compiled_backend: str | None):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     loss_fn = nn.CrossEntropyLoss()
     if compiled_backend is None:
-        def step(*batch):
-            *inputs, target = batch
-            loss = loss_fn(model(*inputs), target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-        return step
+        return eager_step(model, opt, loss_fn)
     return cc.compile_step(model, loss_fn, opt, backend=compiled_backend)
 
 

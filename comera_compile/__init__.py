@@ -4,7 +4,7 @@ Public API only; see README.md for a quick start.  Names are imported on first u
 ``import comera_compile`` costs little beyond torch, and importing the formats (``comera_compile.tt``) does
 not import the compiler.  The "comera" backend is found by torch.compile through the package's
 torch_dynamo_backends entry point; from a source tree that is not installed, importing the package
-registers it.
+registers it (and then imports the backend).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "comera_backend": "comera_compile.backend",
     "compile_step": "comera_compile.backend",
     "RankAdaptive": "comera_compile.rank_adaptive",
-    "param_groups": "comera_compile.rank_adaptive",
+    "param_groups": "comera_compile.optim",
     "tempo": "comera_compile.passes.module.tempo",
     "saved_bytes": "comera_compile.memory",
     "peak_bytes": "comera_compile.memory",
@@ -65,11 +65,14 @@ if TYPE_CHECKING:
     from comera_compile.passes.module.tempo import tempo
     from comera_compile.passes.module.tensorize import (PRESETS, LayerShape, TensorizeError, TensorizeSummary,
                                                         densify, tensorize)
-    from comera_compile.rank_adaptive import RankAdaptive, param_groups
+    from comera_compile.optim import param_groups
+    from comera_compile.rank_adaptive import RankAdaptive
     from comera_compile.report import Explanation, explain
     from comera_compile.tt import TTSpec, make_spec
 else:
-    from comera_compile.backend import register as _register_backend
+    from importlib.metadata import entry_points as _entry_points
 
-    _register_backend()
-    del _register_backend
+    if not _entry_points(group="torch_dynamo_backends", name="comera"):   # a source tree, not installed
+        from comera_compile.backend import register as _register_backend
+
+        _register_backend()

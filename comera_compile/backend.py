@@ -173,7 +173,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             if use:
                 state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
             else:
-                from comera_compile.rank_adaptive import prefer_fast_implementation
+                from comera_compile.optim import prefer_fast_implementation
 
                 prefer_fast_implementation(optimizer)
                 state["fn"] = optimizer.step

@@ -53,7 +53,7 @@ def _inspect(args: argparse.Namespace) -> int:
     dense_params = sum(p.numel() for p in model.parameters())
     tt = cc.tensorize(model, inplace=True, **kwargs)
     try:  # the rewritten graph, traced on demand for display
-        from comera_compile.passes.module.tensorize import trace_model
+        from comera_compile.passes.module.trace import trace_model
 
         code = trace_model(tt).code.strip()
         print(f"# rewritten graph of {type(model).__name__} (torch.fx)")

@@ -1,5 +1,6 @@
 """Rank-adaptive training (the "RA" of CoMERA): rank gates, a two-stage multi-objective schedule, and rank
-slices cut out of the cores for real.
+slices cut out of the cores for real.  (About 460 lines: one class, and the rule it follows stated here in
+full; the optimizer side is in optim.py, the gauges in gauge.py.)
 
 Between consecutive TT cores sits diag(g); training minimises (task loss L, model size S(g)).
 
@@ -38,195 +39,22 @@ recompile and a mask costs none; under DDP ``step()`` returns True and the loop 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .layers import DEFAULT_TAU, TTLayer
+from .gauge import balance, canonicalize
+from .layers import DEFAULT_TAU
+from .optim import prefer_fast_implementation, retire, tt_layers
 
-__all__ = ["RankAdaptive", "param_groups", "prefer_fast_implementation", "balance", "canonicalize", "CORE_LR_FACTOR",
-           "GATE_LR_FACTOR"]
-
-# CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
-CORE_LR_FACTOR = 2.0
-GATE_LR_FACTOR = 20.0
+__all__ = ["RankAdaptive"]
 
 # Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
 # small einsums per bond).
 BALANCE_EVERY = 10
 
-
-def _tt_layers(model: nn.Module) -> dict[str, TTLayer]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}
-
-
-def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = None, gate_lr: float | None = None,
-                 weight_decay: float = 0.0) -> list[dict[str, Any]]:
-    """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
-    20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
-    ratios."""
-    core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
-    gate_lr = GATE_LR_FACTOR * lr if gate_lr is None else gate_lr
-    cores, gates = [], []
-    for layer in _tt_layers(model).values():
-        cores += list(layer.cores)
-        gates += list(layer.gates)
-    ids = {id(p) for p in cores + gates}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    groups = [{"params": cores, "lr": core_lr, "weight_decay": weight_decay, "name": "tt_cores"},
-              {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
-              {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
-    return [g for g in groups if g["params"]]
-
-
-# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
-# that still steps one of them would train a tensor the model no longer uses, silently: a global optimizer
-# pre-hook makes that an error.
-_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_HOOK: list[Any] = []
-
-
-def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
-    """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
-    the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
-    tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
-    update as the default.  Groups naming an implementation are left alone.  RankAdaptive does this to the
-    optimizer it is given: hundreds of small TT cores make torch's default per-tensor loop the slow part
-    of an optimizer step."""
-    from torch.optim.optimizer import _device_dtype_check_for_fused
-
-    fresh = not optimizer.state
-    for group in optimizer.param_groups:
-        if group.get("foreach") is not None or group.get("fused"):
-            continue
-        fused = fresh and "fused" in group and not group.get("differentiable")
-        if fused:
-            try:
-                for p in group["params"]:
-                    _device_dtype_check_for_fused(p)
-            except (RuntimeError, ValueError):
-                fused = False
-        if fused:
-            group["fused"], group["foreach"] = True, False
-        elif "foreach" in group:
-            group["foreach"] = True
-
-
-def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _RETIRED:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = _RETIRED.get(id(p))
-            if ref is not None and ref() is p:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
-                    f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
-                    f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
-                    f"update it, or build the optimizer after the cut")
-
-
-def _retire(params: list[torch.Tensor]) -> None:
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_not_retired))
-    for p in params:
-        key = id(p)
-        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))
-
-
-def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """For every bond k, the Gram matrices L_k^T L_k and R_k R_k^T of the train's two halves (gate k itself
-    excluded), from 3-way cores `flat` and gates `g`, by the usual transfer-matrix sweeps."""
-    n = len(flat)
-    left, right = [], [torch.empty(0)] * (n - 1)
-    gram = None
-    for k in range(n - 1):
-        c = flat[k]
-        rhs = c if gram is None else torch.einsum("ab,bmk->amk", gram * g[k - 1][:, None] * g[k - 1], c)
-        gram = torch.einsum("amj,amk->jk", c, rhs)
-        left.append(gram)
-    gram = None
-    for k in range(n - 2, -1, -1):
-        c = flat[k + 1]
-        rhs = c if gram is None else torch.einsum("ab,kmb->kma", gram * g[k + 1][:, None] * g[k + 1], c)
-        gram = torch.einsum("jma,kma->jk", c, rhs)
-        right[k] = gram
-    return left, right
-
-
-@torch.no_grad()
-def balance(layer: TTLayer) -> list[torch.Tensor]:
-    """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
-    L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
-    ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
-    relative to the layer's Frobenius norm (comparable across layers)."""
-    n = len(layer.cores)
-    if n < 2:
-        return []
-    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-    g = [x.detach().double() for x in layer.gates]
-    left, right = _grams(flat, g)
-    norm = torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
-    relative = []
-    for k in range(n - 1):
-        a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
-        term = a * g[k].abs() * b
-        s = term.max()
-        ok = (a > 0) & (b > 0) & (s > 0)
-        one = torch.ones_like(a)
-        fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
-        fb = torch.where(ok, s / torch.where(ok, b, one), one)
-        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
-        core_l.mul_(fa.to(core_l.dtype).reshape(*([1] * (core_l.dim() - 1)), -1))
-        core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
-        gate.mul_(torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one).to(gate.dtype))
-        relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
-    return relative
-
-
-def _half_inverse(gram: torch.Tensor, rtol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G^{1/2}, G^{+1/2}) of a symmetric PSD matrix, directions below rtol of its largest eigenvalue dropped."""
-    w, u = torch.linalg.eigh(gram)
-    keep = w > rtol * w.max().clamp_min(0)
-    root = torch.where(keep, w.clamp_min(0).sqrt(), torch.zeros_like(w))
-    inv = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(w)), torch.zeros_like(w))
-    return (u * root) @ u.T, (u * inv) @ u.T
-
-
-_SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
-
-
-@torch.no_grad()
-def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
-    """Rotate every bond of `layer` to its singular basis (TT rounding, left to right): the gates become the
-    singular values of the bond's unfolding, so a slice's gate is its true share and redundant slices get
-    zero gates.  The function is unchanged.  In the optimizer's `state` (if given) the rotated tensors'
-    first moments restart at zero and their second moments are averaged over the rotated axis."""
-    n = len(layer.cores)
-    for k in range(n - 1):
-        flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-        g = [x.detach().double() for x in layer.gates]
-        lefts, rights = _grams(flat, g)
-        root_l, inv_l = _half_inverse(lefts[k])
-        root_r, inv_r = _half_inverse(rights[k])
-        x, sigma, yh = torch.linalg.svd(root_l @ torch.diag(g[k]) @ root_r)
-        a, b = inv_l @ x, yh @ inv_r  # L_k -> L_k a (orthonormal columns), R_k -> b R_k
-        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
-        core_l.copy_(torch.einsum("...i,ij->...j", flat[k], a).reshape(core_l.shape).to(core_l.dtype))
-        core_r.copy_(torch.einsum("ji,i...->j...", b, flat[k + 1]).reshape(core_r.shape).to(core_r.dtype))
-        gate.copy_(sigma.to(gate.dtype))
-        for p, dim in ((core_l, core_l.dim() - 1), (core_r, 0), (gate, 0)):
-            st = state.get(p) if state is not None else None
-            for key, value in (st or {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                    if key in _SECOND_MOMENTS:
-                        value.copy_(value.mean(dim, keepdim=True).expand_as(value))
-                    else:
-                        value.zero_()
 
 
 @dataclass
@@ -279,7 +107,7 @@ class RankAdaptive:
         if realloc_at is not None and not realloc_at >= 1:
             raise ValueError(f"realloc_at must be >= 1 (allocated / active TT parameters that triggers a "
                              f"re-allocation) or None (only explicit cut()), got {realloc_at!r}")
-        self.layers = _tt_layers(model)
+        self.layers = tt_layers(model)
         if not self.layers:
             raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
                              f"(model = comera_compile.tensorize(model))")
@@ -568,7 +396,7 @@ class RankAdaptive:
             if name in self._importance:
                 self._importance[name] = [v[k] if k is not None else v
                                           for v, k in zip(self._importance[name], keep)]
-        _retire(retired)
+        retire(retired)
         self._update_size()
         removed = before - sum(m.tt_params() for m in self.layers.values())
         if removed:

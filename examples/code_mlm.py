@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +25,10 @@ from torch import nn
 
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
+from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
-__all__ = ["DemoConfig", "SIZES", "PRESETS", "CodeMLM", "Data", "DemoError", "preset", "prepare_data",
-           "build_models", "train_one", "evaluate", "run"]
+__all__ = ["DemoConfig", "SIZES", "PRESETS", "CodeMLM", "DemoError", "preset", "prepare_data", "build_models", "run"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -183,225 +180,6 @@ class CodeMLM(nn.Module):
         h = x.gather(1, positions.unsqueeze(-1).expand(-1, -1, self.d_model))
         h = self.head_norm(F.gelu(self.head(h)))
         return h @ self.word.weight.t() + self.decoder_bias
-
-
-def encoder_params(model: nn.Module) -> int:
-    """Parameters of the encoder layers (attention and FFN, their LayerNorms included)."""
-    return sum(p.numel() for p in model.layers.parameters())
-
-
-def total_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-# --------------------------------------------------------------------------------------------------------
-# Training and evaluation
-# --------------------------------------------------------------------------------------------------------
-@dataclass
-class Data:
-    """Token blocks for training, fixed masked batches for held-out evaluation, and the ids that matter."""
-
-    train: torch.Tensor  # (n, seq_len)
-    heldout: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (inputs, positions, labels) batches
-    vocab_size: int
-    mask_id: int
-
-
-def batches(data: Data, cfg: DemoConfig) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Masked training batches in a seeded order (a fresh permutation every epoch): the same sequence for
-    every model trained with the same config."""
-    g = torch.Generator().manual_seed(cfg.seed)
-    n = data.train.shape[0]
-    while True:
-        order = torch.randperm(n, generator=g)
-        for i in range(0, n - cfg.batch + 1, cfg.batch):
-            yield mask_batch(data.train[order[i: i + cfg.batch]], g, data.mask_id, data.vocab_size)
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data: Data) -> dict[str, float]:
-    """Held-out MLM loss (mean cross-entropy) and accuracy over every masked position, eagerly."""
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, count = 0.0, 0, 0
-    with torch.compiler.set_stance("force_eager"):
-        for inputs, positions, labels in data.heldout:
-            logits = model(inputs, positions).reshape(-1, data.vocab_size)
-            flat = labels.reshape(-1)
-            loss_sum += float(F.cross_entropy(logits, flat, reduction="sum"))
-            correct += int((logits.argmax(dim=-1) == flat).sum())
-            count += flat.numel()
-    model.train(was_training)
-    return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count}
-
-
-def _task_loss(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
-               vocab_size: int) -> torch.Tensor:
-    return F.cross_entropy(model(inputs, positions).reshape(-1, vocab_size), labels.reshape(-1))
-
-
-def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_size: int) -> int:
-    """Peak tracked tensor memory of one eager forward + backward (gradients included), in bytes."""
-    from comera_compile.memory import peak_bytes
-
-    def step() -> None:
-        _task_loss(model, *batch, vocab_size).backward()
-
-    with torch.compiler.set_stance("force_eager"):
-        peak = peak_bytes(step)
-    model.zero_grad(set_to_none=True)
-    return peak
-
-
-def _rss_bytes() -> int | None:
-    """The process's resident memory now (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
-def _active_encoder_params(model: nn.Module, ra: Any) -> int:
-    """Encoder parameters counting only the active rank slices of the TT layers (what a cut leaves)."""
-    allocated_cores = sum(m.spec.core_params() for m in ra.layers.values())
-    return encoder_params(model) - allocated_cores + ra.size()
-
-
-def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_encoder: int,
-              eval_steps: tuple[int, ...] = ()) -> dict[str, Any]:
-    """Train `model` for cfg's budget (minutes and/or steps); returns its history and figures.
-
-    name "comera": the model is tensorized, RankAdaptive runs at its defaults and the encoder layers compile
-    with backend "comera" (one compiled layer serves them all).  Otherwise the dense model trains with
-    cfg.dense_lr, eagerly or compiled by cfg.dense_backend.  Held-out evaluations run at cfg.evals equal
-    marks of the budget and at eval_steps (the other model's step count, for a comparison at equal steps);
-    the clock stops while they run."""
-    import comera_compile as cc
-    from tqdm.auto import tqdm
-
-    comera = name == "comera"
-    ra = None
-    if comera:
-        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
-        ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, cut_every=cfg.cut_every, optimizer=opt)
-        start_tt = ra.size()
-        backend = "comera" if cfg.compile else None
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.dense_lr, weight_decay=0.0)
-        backend = None if cfg.dense_backend == "eager" else cfg.dense_backend
-    warm = max(1, cfg.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    if backend is not None:
-        for layer in model.layers:  # regional compilation: one compiled layer serves every layer
-            layer.compile(backend=backend, fullgraph=True)
-    execution = f"torch.compile {backend!r}, per layer" if backend is not None else "eager"
-
-    budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
-    if budget is not None:
-        time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
-        step_marks = set(eval_steps)
-    else:
-        time_marks = []
-        step_marks = {max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)} | set(eval_steps)
-    history: dict[str, list] = {"step": [], "time_s": [], "loss": [], "step_time_s": [], "active_tt_params": [],
-                                "encoder_compression": []}
-    evals: list[dict[str, Any]] = []
-    stream = batches(data, cfg)
-    first_batch = None
-    elapsed = 0.0  # training seconds: wall time with the held-out evaluations left out
-    start_encoder = encoder_params(model)
-    compiling, compile_steps = True, []  # steps that (re)compiled: the first, and the first after a re-allocation
-    rss_peak = _rss_bytes() or 0
-    total = cfg.steps if budget is None else None
-    bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}", disable=not cfg.progress,
-               dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr,
-               unit="step" if total is not None else "s")
-
-    def active_tt() -> int:
-        return ra.size() if ra is not None else 0
-
-    def record_eval(step: int) -> None:
-        e = evaluate(model, data)
-        enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
-        evals.append({"step": step, "time_s": elapsed, **e, "active_tt_params": active_tt(),
-                      "encoder_params": enc})
-
-    model.train()
-    step = 0
-    while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
-        step += 1
-        inputs, positions, labels = next(stream)
-        if first_batch is None:
-            first_batch = (inputs, positions, labels)
-        t0 = time.perf_counter()
-        task = _task_loss(model, inputs, positions, labels, data.vocab_size)
-        loss = ra.loss(task) if ra is not None else task
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        reallocated = ra.step() if ra is not None else False
-        dt = time.perf_counter() - t0
-        elapsed += dt
-        if compiling and backend is not None:
-            compile_steps.append(step - 1)
-        compiling = reallocated
-        if ra is not None and cfg.target_ratio is not None and ra.stage == "early" and ra.late_stage_at is None:
-            if (budget is not None and elapsed >= cfg.late_stage_at * budget) or (
-                    budget is None and step >= cfg.late_stage_at * cfg.steps):
-                ra.late_stage_at = ra.steps + 1  # the late stage starts at the next step
-        rss_peak = max(rss_peak, _rss_bytes() or 0)
-        enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
-        history["step"].append(step)
-        history["time_s"].append(elapsed)
-        history["loss"].append(float(task.detach()))
-        history["step_time_s"].append(dt)
-        history["active_tt_params"].append(active_tt())
-        history["encoder_compression"].append(dense_encoder / enc)
-        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{dense_encoder / enc:.0f}x",
-                        refresh=False)
-        bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
-        due = step in step_marks
-        while time_marks and elapsed >= time_marks[0]:
-            time_marks.pop(0)
-            due = True
-        if due or (cfg.steps is not None and step == cfg.steps):
-            record_eval(step)
-    bar.close()
-    if not evals or evals[-1]["step"] != step:
-        record_eval(step)
-    if ra is not None:
-        ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
-    times = history["step_time_s"]
-    steady = [t for i, t in enumerate(times) if i not in compile_steps] or times
-    median = statistics.median(steady)
-    result = {
-        "name": name,
-        "execution": execution,
-        "steps": step,
-        "time_s": elapsed,
-        "params_model": total_params(model),
-        "params_encoder": encoder_params(model),
-        "params_encoder_start": start_encoder,
-        "compression_encoder": dense_encoder / encoder_params(model),
-        "median_step_s": median,
-        "compile_s": sum(max(0.0, times[i] - median) for i in compile_steps),
-        "compile_steps": [i + 1 for i in compile_steps],
-        "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size),
-        "peak_rss_bytes": rss_peak or None,
-        "heldout_loss": evals[-1]["loss"],
-        "heldout_accuracy": evals[-1]["accuracy"],
-        "evals": evals,
-        "history": history,
-    }
-    if ra is not None:
-        result["active_tt_params_start"] = start_tt
-        result["active_tt_params_end"] = ra.size()
-        result["ranks"] = {k: list(v) for k, v in ra.ranks().items()}
-        result["cuts"] = ra.cuts
-        result["stage"] = ra.stage
-    return result
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 from comera_compile.cli import main  # noqa: E402
-from comera_compile.examples import code_data, code_mlm, demo_report  # noqa: E402
+from comera_compile.examples import code_data, code_mlm, demo_report, demo_train  # noqa: E402
 from comera_compile.examples.code_mlm import DemoConfig, DemoError  # noqa: E402
 
 WORDS = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "else", "None", "items",
@@ -109,10 +109,10 @@ def test_evaluate_matches_a_direct_computation():
     g = torch.Generator().manual_seed(0)
     labels = [torch.randint(0, vocab, (4, 5), generator=g) for _ in range(3)]
     positions = [torch.randint(0, 40, (4, 5), generator=g) for _ in range(3)]
-    data = code_mlm.Data(torch.zeros(1, 8, dtype=torch.long),
+    data = demo_train.Data(torch.zeros(1, 8, dtype=torch.long),
                          [(torch.zeros(4, 8, dtype=torch.long), p, lab) for p, lab in zip(positions, labels)],
                          vocab, 1)
-    got = code_mlm.evaluate(_FixedLogits(vocab), data)
+    got = demo_train.evaluate(_FixedLogits(vocab), data)
     pos, lab = torch.cat(positions).flatten(), torch.cat(labels).flatten()
     hit = (pos % vocab == lab).float()
     # logit 2 on the predicted token, 0 elsewhere: log-softmax of the label is 2 - log(e^2 + 6) on a hit
@@ -142,8 +142,8 @@ def test_default_size_is_bert_wide_and_compresses_the_encoder_at_least_10x_befor
     size = cfg.model_size()
     assert size.d_model >= 512
     dense, tt = code_mlm.build_models(cfg, vocab_size=cfg.vocab_size)
-    assert code_mlm.encoder_params(dense) == size.layers * _encoder_layer_params(size.d_model, size.ffn)
-    assert code_mlm.encoder_params(dense) / code_mlm.encoder_params(tt) >= 10
+    assert demo_train.encoder_params(dense) == size.layers * _encoder_layer_params(size.d_model, size.ffn)
+    assert demo_train.encoder_params(dense) / demo_train.encoder_params(tt) >= 10
     # Only the encoder is tensorized; embeddings, norms and the head start from identical weights.
     dense_sd, tt_sd = dense.state_dict(), tt.state_dict()
     shared = [k for k in dense_sd if not k.startswith("layers.")]
@@ -228,7 +228,7 @@ def test_time_budget_evaluates_at_its_marks_with_the_clock_stopped(tiny_data):
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=0.02, evals=3)  # 1.2 s of training
     dense, _ = code_mlm.build_models(cfg, data.vocab_size)
-    r = code_mlm.train_one("dense", dense, cfg, data, code_mlm.encoder_params(dense), eval_steps=(2,))
+    r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense), eval_steps=(2,))
     h = r["history"]
     budget = 60 * cfg.minutes
     # The clock is the sum of the steps' own times (evaluations are not in it), and stops at the budget.
@@ -247,7 +247,7 @@ def test_step_budget_runs_exactly_its_steps(tiny_data):
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=None, steps=5, evals=2)
     _, tt = code_mlm.build_models(cfg, data.vocab_size)
-    r = code_mlm.train_one("comera", tt, replace(cfg, compile=False), data, 10_000)
+    r = demo_train.train_one("comera", tt, replace(cfg, compile=False), data, 10_000)
     assert r["steps"] == 5 and [e["step"] for e in r["evals"]] == [2, 5]  # round(5 / 2) and the end
     assert r["active_tt_params_start"] >= r["active_tt_params_end"] > 0
 

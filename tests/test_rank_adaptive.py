@@ -13,7 +13,8 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.layers import TTLinear
-from comera_compile.rank_adaptive import RankAdaptive, param_groups
+from comera_compile.optim import param_groups
+from comera_compile.rank_adaptive import RankAdaptive
 
 NOISE = 0.05
 
@@ -456,7 +457,7 @@ def test_transformers_trainer_runs_the_hook_and_cuts_at_the_end(tmp_path):
 
 
 def test_balance_and_rounding_keep_the_function_and_rounding_gives_the_unfoldings_singular_values():
-    from comera_compile.rank_adaptive import balance, canonicalize
+    from comera_compile.gauge import balance, canonicalize
     from comera_compile.tt import full_tensor
 
     torch.manual_seed(0)

@@ -13,10 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from comera_compile.ops.bits import bit_slice, pack_into
-from comera_compile.ops.buffers import FLOATS, Scratch, chunks, forward_chunk, may_box, take_grad
+from comera_compile.ops.buffers import (FLOATS, Scratch, boxed_variant, chunks, forward_chunk, may_box,
+                                         new_buffer_backward)
 
 __all__ = ["dropout", "dropout_mask", "dropout_into", "dropout_backward_into", "check_p"]
 
@@ -118,25 +118,15 @@ class _Dropout(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        return _Dropout._backward(ctx, grad, torch.empty_like(grad))
-
-    @staticmethod
     def _backward(ctx, grad: torch.Tensor, out: torch.Tensor):
         (bits,) = ctx.saved_tensors
         dropout_backward_into(grad, out, bits, ctx.p, Scratch(grad.device))
         return out, None, None
 
+    backward = new_buffer_backward(_backward)
 
-class _DropoutBoxed(_Dropout):
-    boxed_grads_call = True
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grads: list[torch.Tensor]):
-        return _Dropout._backward(ctx, *take_grad(grads))
+_DropoutBoxed = boxed_variant(_Dropout, _Dropout._backward)
 
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *,

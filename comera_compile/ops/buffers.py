@@ -12,8 +12,9 @@ import sys
 from typing import Callable, Iterator
 
 import torch
+from torch.autograd.function import once_differentiable
 
-__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box"]
+__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box", "new_buffer_backward", "boxed_variant"]
 
 
 FLOATS = (torch.float32, torch.float64)
@@ -108,3 +109,28 @@ def may_box() -> bool:
         return False
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return not (ca is not None and getattr(ca, "compiled_autograd_enabled", False))
+
+
+def new_buffer_backward(backward_into: Callable[..., tuple]) -> staticmethod:
+    """An autograd Function's backward from ``backward_into(ctx, grad, out)``, which writes the input gradient
+    into ``out``: here a new buffer (the gradient arrives unboxed, so its buffer cannot be claimed)."""
+
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        grad = grad.contiguous()
+        return backward_into(ctx, grad, torch.empty_like(grad))
+
+    return staticmethod(backward)
+
+
+def boxed_variant(function: type, backward_into: Callable[..., tuple]) -> type:
+    """``function`` taking its gradient boxed: ``backward_into`` writes the input gradient into the incoming
+    gradient's own buffer when nothing else holds it (take_grad), else into a new one."""
+
+    @once_differentiable
+    def backward(ctx, grads: list[torch.Tensor]) -> tuple:
+        return backward_into(ctx, *take_grad(grads))
+
+    return type(f"{function.__name__}Boxed", (function,), {"boxed_grads_call": True, "backward": staticmethod(backward),
+                                                          "__module__": function.__module__})
+

@@ -17,11 +17,11 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from comera_compile.ops.bit_dropout import check_p, dropout_backward_into, dropout_into
 from comera_compile.ops.bits import bit_slice, pack_into
-from comera_compile.ops.buffers import FLOATS, Scratch, chunks, forward_chunk, may_box, take_grad
+from comera_compile.ops.buffers import (FLOATS, Scratch, boxed_variant, chunks, forward_chunk, may_box,
+                                         new_buffer_backward)
 
 __all__ = ["gelu", "gelu_dropout"]
 
@@ -254,12 +254,6 @@ class _Gelu(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        return _Gelu._backward(ctx, grad, torch.empty_like(grad))
-
-    @staticmethod
     def _backward(ctx, grad: torch.Tensor, out: torch.Tensor):
         """The input gradient, written into `out` (which may be grad itself)."""
         y, branch, idx, kept, keep_bits = ctx.saved_tensors
@@ -288,14 +282,10 @@ class _Gelu(torch.autograd.Function):
             of[idx] = torch.ops.aten.gelu_backward(g_kept, kept, approximate=approximate)
         return out, None, None, None
 
+    backward = new_buffer_backward(_backward)
 
-class _GeluBoxed(_Gelu):
-    boxed_grads_call = True
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grads: list[torch.Tensor]):
-        return _Gelu._backward(ctx, *take_grad(grads))
+_GeluBoxed = boxed_variant(_Gelu, _Gelu._backward)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:

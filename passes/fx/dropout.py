@@ -8,8 +8,8 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.passes import GraphPassResult
 from comera_compile.ops.hash_dropout import HashDropout, hash_dropout
+from comera_compile.passes import GraphPassResult
 
 __all__ = ["fast_dropout"]
 

@@ -21,8 +21,8 @@ from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
-from comera_compile.passes import GraphPassResult, node_shape
 from comera_compile.ops.tempo_modules import TEMPO_MODULES, module_attention, module_dropout, module_gelu_dropout
+from comera_compile.passes import GraphPassResult, node_shape
 
 __all__ = ["TempoSummary", "tempo_graph"]
 

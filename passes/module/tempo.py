@@ -14,6 +14,7 @@ from torch import nn
 
 from comera_compile.ops.tempo_modules import TEMPO_MODULES, TempoDropout, TempoGELU, TempoLayerNorm
 from comera_compile.passes.fx.tempo import TempoSummary, logger, tempo_graph
+from comera_compile.passes.module.trace import trace_model
 
 __all__ = ["tempo_modules", "tempo"]
 
@@ -95,8 +96,6 @@ def tempo(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True, atten
         return tempo_graph(model, gelu=gelu, layer_norm=layer_norm, attention=attention, dropout=dropout).graph_module
     if not isinstance(model, nn.Module):
         raise TypeError(f"tempo takes an nn.Module, got {type(model).__name__}")
-    from comera_compile.passes.module.tensorize import trace_model
-
     try:
         gm = trace_model(model)
     except Exception as e:  # torch.fx raises many kinds of errors for untraceable code

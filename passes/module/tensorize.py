@@ -26,6 +26,7 @@ from torch import nn
 from comera_compile.checkpoint import save_pretrained
 from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
 from comera_compile.layers import TTLayer, TTLinear
+from comera_compile.passes.module.trace import trace_model
 
 __all__ = ["tensorize", "densify", "LayerShape", "TensorizeSummary", "PRESETS", "TensorizeError"]
 
@@ -168,57 +169,6 @@ def _build(mod: nn.Module, kind: str, rank, shape: LayerShape | None, init: str,
                                    d=d, init=init, transposed=kind == "conv1d")
     except (ValueError, TypeError) as e:
         raise TensorizeError(f"cannot tensorize {where!r} ({type(mod).__name__}): {e}") from e
-
-
-class _Tracer(torch.fx.Tracer):
-    """Keeps TT layers (and torch.nn's own modules) as call_module leaves."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, TTLayer) or super().is_leaf_module(m, qualname)
-
-    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
-        # Name TT-layer calls tt_<path> so print(gm.code) shows which layers were rewritten.
-        if kind == "call_module" and name is None and isinstance(self.root.get_submodule(target), TTLayer):
-            name = "tt_" + target.replace(".", "_")
-        return super().create_node(kind, target, args, kwargs, name, type_expr)
-
-
-def _trace_both_modes(model: nn.Module) -> torch.fx.Graph:
-    """The model's graph in its current mode, after checking that a trace in the other mode gives the same
-    code: a GraphModule freezes the mode it was traced in (dropout after eval(), or none after train())."""
-    was_training = model.training
-    graphs = {}
-    try:
-        for mode in (was_training, not was_training):
-            model.train(mode)
-            graphs[mode] = _Tracer().trace(model)
-    finally:
-        model.train(was_training)
-    if torch.fx.GraphModule(model, graphs[True]).code != torch.fx.GraphModule(model, graphs[False]).code:
-        raise TypeError("its graph depends on train/eval mode (it reads self.training), which a trace freezes")
-    return graphs[was_training]
-
-
-def trace_model(model: nn.Module) -> torch.fx.GraphModule:
-    graph = _trace_both_modes(model)
-    name = type(model).__name__
-    gm = torch.fx.GraphModule(model, graph, name)
-    # GraphModule copies only what the graph uses, under plain containers.  Put the model's own children,
-    # parameters and buffers back, so gm.layers[0] works and state_dict keys match the original model.
-    for child_name, child in model._modules.items():  # not named_children(): keep aliases of one module
-        setattr(gm, child_name, child)
-    for pname, param in model._parameters.items():
-        if pname not in gm._parameters:
-            gm.register_parameter(pname, param)
-    for bname, buf in model._buffers.items():
-        if bname not in gm._buffers:
-            gm.register_buffer(bname, buf, persistent=bname not in model._non_persistent_buffers_set)
-    gm.train(model.training)
-    # Keep plain attributes user code reads (e.g. model.config) available on the GraphModule.
-    for key, value in vars(model).items():
-        if not key.startswith("_") and key != "training" and not hasattr(gm, key):
-            setattr(gm, key, value)
-    return gm
 
 
 def _set_submodule(root: nn.Module, qualname: str, new: nn.Module) -> None:

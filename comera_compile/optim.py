@@ -1,0 +1,99 @@
+"""The optimizer side of TT training: CoMERA's learning-rate groups, the optimizer's fast implementation,
+and parameters retired by a rank cut (an optimizer still holding them raises instead of training a stale
+copy)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .layers import TTLayer
+
+__all__ = ["param_groups", "prefer_fast_implementation", "retire", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+
+# CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
+CORE_LR_FACTOR = 2.0
+GATE_LR_FACTOR = 20.0
+
+
+def tt_layers(model: nn.Module) -> dict[str, TTLayer]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}
+
+
+def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = None, gate_lr: float | None = None,
+                 weight_decay: float = 0.0) -> list[dict[str, Any]]:
+    """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
+    20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
+    ratios."""
+    core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
+    gate_lr = GATE_LR_FACTOR * lr if gate_lr is None else gate_lr
+    cores, gates = [], []
+    for layer in tt_layers(model).values():
+        cores += list(layer.cores)
+        gates += list(layer.gates)
+    ids = {id(p) for p in cores + gates}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    groups = [{"params": cores, "lr": core_lr, "weight_decay": weight_decay, "name": "tt_cores"},
+              {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
+              {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
+    return [g for g in groups if g["params"]]
+
+
+# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
+# that still steps one of them would train a tensor the model no longer uses, silently: a global optimizer
+# pre-hook makes that an error.
+_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
+_HOOK: list[Any] = []
+
+
+def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
+    """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
+    the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
+    tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
+    update as the default.  Groups naming an implementation are left alone.  RankAdaptive does this to the
+    optimizer it is given: hundreds of small TT cores make torch's default per-tensor loop the slow part
+    of an optimizer step."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    fresh = not optimizer.state
+    for group in optimizer.param_groups:
+        if group.get("foreach") is not None or group.get("fused"):
+            continue
+        fused = fresh and "fused" in group and not group.get("differentiable")
+        if fused:
+            try:
+                for p in group["params"]:
+                    _device_dtype_check_for_fused(p)
+            except (RuntimeError, ValueError):
+                fused = False
+        if fused:
+            group["fused"], group["foreach"] = True, False
+        elif "foreach" in group:
+            group["foreach"] = True
+
+
+def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RETIRED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _RETIRED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
+                    f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
+                    f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
+                    f"update it, or build the optimizer after the cut")
+
+
+def retire(params: list[torch.Tensor]) -> None:
+    """Mark parameters a cut replaced: any optimizer step that still holds one raises (see _check_not_retired)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_check_not_retired))
+    for p in params:
+        key = id(p)
+        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))
