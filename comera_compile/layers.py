@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import network
+from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLinear", "TTEmbedding", "TTEmbeddingBag", "TTLayer", "DEFAULT_TAU"]
@@ -248,11 +248,11 @@ class TTLinear(TTLayer):
         narrow side suits the BLAS kernels.  Equal to spec when no rank needs padding."""
         return gemm_spec(self.spec)
 
-    def plan(self, rows: int, training: bool = True, input_requires_grad: bool = True) -> network.Plan:
+    def plan(self, rows: int, training: bool = True, input_requires_grad: bool = True) -> networks.Plan:
         """The contraction plan for an input with this many rows (at gemm_spec's ranks): least forward +
         backward cost when training, least forward cost for inference (searched once per shape, then
         cached)."""
-        return network.plan_tt_linear(self.gemm_spec, rows, training, input_requires_grad)
+        return networks.plan_tt_linear(self.gemm_spec, rows, training, input_requires_grad)
 
     def flops(self, rows: int) -> int:
         """Forward FLOPs of the TT product (bias excluded) for this many rows."""
@@ -285,20 +285,20 @@ class TTLinear(TTLayer):
         if torch.compiler.is_exporting():
             # An exported program serves every row count: one plan (any plan computes the same product), no
             # guard on the row count.
-            program = network.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
+            program = networks.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
         elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
-            thresholds, programs = network.tt_linear_segments(spec.key(), training, x.requires_grad)
+            thresholds, programs = networks.tt_linear_segments(spec.key(), training, x.requires_grad)
             segment = 0
             for t in thresholds:
                 if rows >= t:
                     segment += 1
             program = programs[segment]
         else:
-            program = network.tt_linear_program(spec, rows, training, x.requires_grad)
-        fused = self.bias is not None and network.fuses_bias(program[-1][2], self.out_features)
-        y = network.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
+            program = networks.tt_linear_program(spec, rows, training, x.requires_grad)
+        fused = self.bias is not None and networks.fuses_bias(program[-1].recipe, self.out_features)
+        y = networks.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
         y = y.reshape(rows, spec.out_padded)
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]
@@ -375,10 +375,10 @@ class TTEmbedding(TTLayer):
         cores = svd_cores(weight.detach(), spec) if init == "svd" else None
         return cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
 
-    def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> network.LookupPlan:
+    def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> networks.LookupPlan:
         """How `rows` distinct rows are looked up: the core pairs merged (into tables, or only for the
         batch's digit pairs) and the contraction order, chosen by the planner's cost model and cached."""
-        return network.plan_ttm_lookup(self.spec, network.lookup_bucket(rows), training, dedupe)
+        return networks.plan_ttm_lookup(self.spec, networks.lookup_bucket(rows), training, dedupe)
 
     def flops(self, rows: int) -> int:
         """Forward FLOPs of looking up `rows` distinct rows with the planned merging and order."""
@@ -447,7 +447,7 @@ class TTEmbedding(TTLayer):
             shape = (n, e, s.ranks[b]) if a == 0 else (n, s.ranks[a], e) if b == len(s.in_modes) else (
                 n, s.ranks[a], e, s.ranks[b])
             ops.append(t.reshape(shape))
-        out = ops[0] if not program else network.run_program(program, ops, n)
+        out = ops[0] if not program else networks.run_program(program, ops, n)
         out = out.reshape(n, s.out_padded)
         if s.out_padded != self.embedding_dim:
             out = out[:, : self.embedding_dim]
@@ -465,12 +465,12 @@ class TTEmbedding(TTLayer):
         concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
         if concrete:
             keys, inverse = torch.unique(flat, return_inverse=True)
-            groups, program = network.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
+            groups, program = networks.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
         else:
             keys, inverse = flat, None
             # Compiling (the row count may be symbolic, and a plan per count would recompile per batch size):
             # the plan of a typical batch, which computes the same rows as any other.
-            groups, program = network.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
+            groups, program = networks.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)

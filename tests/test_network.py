@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from comera_compile import network as nw
+from comera_compile import networks as nw
 from comera_compile.tt import make_spec
 
 SIX_ENCODER = {
@@ -149,11 +149,15 @@ def test_executed_plan_equals_dense_product(n_in_cores, n_out_cores, rank, rows,
         torch.testing.assert_close(y, x @ w, rtol=1e-10, atol=1e-10)
 
 
-def test_network_graph_has_tensors_as_nodes_and_bonds_as_edges():
+def test_network_has_tensors_as_nodes_and_bonds_as_edges():
     spec = make_spec("tt", 768, 768, 30, (12, 8, 8), (8, 8, 12))
-    g = nw.tt_linear_network(spec, 8).graph()
-    assert g.number_of_nodes() == 7
-    # x shares 3 input modes with the input cores; the 6 cores form a chain of 5 bonds
-    assert g.number_of_edges() == 3 + 5
+    net = nw.tt_linear_network(spec, 8)
+    assert len(net.tensors) == 7
+    # one edge per index two tensors share: x shares 3 input modes with the input cores; the 6 cores form a
+    # chain of 5 bonds
+    edges = [(i, j, c) for (i, a), (j, b) in itertools.combinations(enumerate(net.tensors), 2)
+             for c in set(a.indices) & set(b.indices)]
+    assert len(edges) == 3 + 5
+    assert sorted(net.size_of[c] for _, _, c in edges) == sorted([*spec.in_modes, *spec.ranks[1:-1]])
     emb = nw.ttm_embedding_network(make_spec("ttm", 1000, 64, 8, (10, 10, 10), (4, 4, 4)), 16)
     assert len(emb.tensors) == 3 and all(t.indices[0] == emb.output[0] for t in emb.tensors)
