@@ -65,6 +65,10 @@ def optimal_tree(net: Network, training: bool = True) -> tuple[Tree, int]:
     kept = [0] * (full + 1)
     for s in range(1, full + 1):
         kept[s] = union[s] & (union[full ^ s] | out_bits)
+    # An operand's indices: an intermediate's kept ones, an input tensor's own (with any it alone holds).
+    operand = list(kept)
+    for k, bits in enumerate(tensor_bits):
+        operand[1 << k] = bits
 
     size_cache: dict[int, int] = {}
 
@@ -96,12 +100,12 @@ def optimal_tree(net: Network, training: bool = True) -> tuple[Tree, int]:
                 if sub in best and other in best:
                     shared = kept[sub] & kept[other]
                     if shared or not connected_only:
-                        involved = kept[sub] | kept[other]
+                        involved = operand[sub] | operand[other]
                         out = kept[s] if s != full else out_bits
                         flops = size(involved) * (2 if involved & ~out else 1)  # as pairwise_flops
                         c1, m1, t1 = best[sub]
                         c2, m2, t2 = best[other]
-                        step = contraction_cost(size(kept[sub]), size(kept[other]), size(out), flops,
+                        step = contraction_cost(size(operand[sub]), size(operand[other]), size(out), flops,
                                                 grad[sub] + grad[other], training)
                         cost = c1 + c2 + step
                         mem = m1 + m2 + (size(out) if s != full else 0)
