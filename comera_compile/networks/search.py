@@ -156,8 +156,8 @@ def search(net: Network, training: bool = True) -> Plan:
 
 
 def reference_tree(spec: TTSpec) -> Tree:
-    """The reference implementation's fixed order: merge the input cores left to right into an N x r
-    matrix, merge the output cores into an r x M matrix, then two GEMMs: (X A) B."""
+    """The fixed order of a plain TT layer, the baseline plans are compared with: merge the input cores
+    left to right into an N x r matrix, the output cores into an r x M matrix, then two GEMMs: (X A) B."""
     d_in, n = len(spec.in_modes), len(spec.in_modes) + len(spec.out_modes)
     a: Tree = 1
     for k in range(2, d_in + 1):
