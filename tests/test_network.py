@@ -328,3 +328,19 @@ def test_optimizer_on_random_tt_shapes(n_in, n_out, rank, rows, training, data):
         if len(arrays) <= 5:
             assert cost == min(_path_cost(net, p, training, nw.TRAFFIC_WEIGHT) for p in _all_paths(len(arrays)))
         assert cost == nw.search(net, training).cost(training)
+
+
+def test_optimizer_defers_large_expressions_and_memory_limits_to_opt_einsum():
+    n = nw.EXACT_CONNECTED + 2
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    eq = ",".join(letters[k:k + 2] for k in range(n)) + "->" + letters[0] + letters[n]
+    g = torch.Generator().manual_seed(0)
+    arrays = [torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(n)]
+    opt = nw.TrainingPathOptimizer(fallback="greedy")
+    torch.testing.assert_close(opt_einsum.contract(eq, *arrays, optimize=opt), torch.einsum(eq, *arrays))
+    assert opt_einsum.contract_path(eq, *arrays, optimize=opt)[0] == \
+        opt_einsum.contract_path(eq, *arrays, optimize="greedy")[0]
+    small = eq.split(",")[:4]
+    eq4 = ",".join(small) + "->" + small[0][0] + small[-1][1]
+    limited = opt_einsum.contract_path(eq4, *arrays[:4], optimize=opt, memory_limit=50)[0]
+    assert limited == opt_einsum.contract_path(eq4, *arrays[:4], optimize="greedy", memory_limit=50)[0]
