@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from comera_compile import network as nw
+from comera_compile import networks as nw
 from comera_compile.layers import TTLinear
 
 from .common import compare

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import network
+from . import networks
 from .layers import EXPORT_ROWS, TTLayer, check_init, checked_dtype
 from .tt import TTSpec, cores_to_dense, make_spec, random_cores, svd_cores
 
@@ -116,10 +116,10 @@ class TTEmbedding(TTLayer):
         cores = svd_cores(weight.detach(), spec) if init == "svd" else None
         return cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
 
-    def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> network.LookupPlan:
+    def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> networks.LookupPlan:
         """How `rows` distinct rows are looked up: the core pairs merged (into tables, or only for the
         batch's digit pairs) and the contraction order, chosen by the planner's cost model and cached."""
-        return network.plan_ttm_lookup(self.spec, network.lookup_bucket(rows), training, dedupe)
+        return networks.plan_ttm_lookup(self.spec, networks.lookup_bucket(rows), training, dedupe)
 
     def flops(self, rows: int) -> int:
         """Forward FLOPs of looking up `rows` distinct rows with the planned merging and order."""
@@ -188,7 +188,7 @@ class TTEmbedding(TTLayer):
             shape = (n, e, s.ranks[b]) if a == 0 else (n, s.ranks[a], e) if b == len(s.in_modes) else (
                 n, s.ranks[a], e, s.ranks[b])
             ops.append(t.reshape(shape))
-        out = ops[0] if not program else network.run_program(program, ops, n)
+        out = ops[0] if not program else networks.run_program(program, ops, n)
         out = out.reshape(n, s.out_padded)
         if s.out_padded != self.embedding_dim:
             out = out[:, : self.embedding_dim]
@@ -206,12 +206,12 @@ class TTEmbedding(TTLayer):
         concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
         if concrete:
             keys, inverse = torch.unique(flat, return_inverse=True)
-            groups, program = network.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
+            groups, program = networks.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
         else:
             keys, inverse = flat, None
             # Compiling (the row count may be symbolic, and a plan per count would recompile per batch size):
             # the plan of a typical batch, which computes the same rows as any other.
-            groups, program = network.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
+            groups, program = networks.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import network
+from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype"]
@@ -205,11 +205,11 @@ class TTLinear(TTLayer):
         narrow side suits the BLAS kernels.  Equal to spec when no rank needs padding."""
         return gemm_spec(self.spec)
 
-    def plan(self, rows: int, training: bool = True, input_requires_grad: bool = True) -> network.Plan:
+    def plan(self, rows: int, training: bool = True, input_requires_grad: bool = True) -> networks.Plan:
         """The contraction plan for an input with this many rows (at gemm_spec's ranks): least forward +
         backward cost when training, least forward cost for inference (searched once per shape, then
         cached)."""
-        return network.plan_tt_linear(self.gemm_spec, rows, training, input_requires_grad)
+        return networks.plan_tt_linear(self.gemm_spec, rows, training, input_requires_grad)
 
     def flops(self, rows: int) -> int:
         """Forward FLOPs of the TT product (bias excluded) for this many rows."""
@@ -242,20 +242,20 @@ class TTLinear(TTLayer):
         if torch.compiler.is_exporting():
             # An exported program serves every row count: one plan (any plan computes the same product), no
             # guard on the row count.
-            program = network.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
+            program = networks.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
         elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
-            thresholds, programs = network.tt_linear_segments(spec.key(), training, x.requires_grad)
+            thresholds, programs = networks.tt_linear_segments(spec.key(), training, x.requires_grad)
             segment = 0
             for t in thresholds:
                 if rows >= t:
                     segment += 1
             program = programs[segment]
         else:
-            program = network.tt_linear_program(spec, rows, training, x.requires_grad)
-        fused = self.bias is not None and network.fuses_bias(program[-1][2], self.out_features)
-        y = network.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
+            program = networks.tt_linear_program(spec, rows, training, x.requires_grad)
+        fused = self.bias is not None and networks.fuses_bias(program[-1].recipe, self.out_features)
+        y = networks.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
         y = y.reshape(rows, spec.out_padded)
         if spec.out_padded != self.out_features:
             y = y[:, : self.out_features]

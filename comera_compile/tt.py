@@ -11,12 +11,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 __all__ = [
     "TTSpec",
+    "constant_under_compile",
     "balanced_factors",
     "choose_modes",
     "make_spec",
@@ -171,6 +172,14 @@ def gemm_ranks(ranks: Sequence[int], multiple: int | None = None) -> tuple[int, 
     return (*out, int(ranks[-1]))
 
 
+def constant_under_compile(fn: Callable) -> Callable:
+    """Mark fn as ``torch.compiler.assume_constant_result`` does (torch.compile calls it once at trace time
+    and records its result as a constant), without that decorator's import of dynamo: the formats and
+    layers should import with torch alone.  tests/test_package.py checks the mark is the one torch sets."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 @lru_cache(maxsize=4096)
 def gemm_spec(spec: TTSpec) -> TTSpec:
     """spec at gemm_ranks' ranks: the shapes the contraction programs run at."""
@@ -178,7 +187,7 @@ def gemm_spec(spec: TTSpec) -> TTSpec:
     return spec if ranks == spec.ranks else spec.with_ranks(ranks)
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def gemm_core_padding(spec: TTSpec | tuple) -> tuple[tuple[int, ...] | None, ...]:
     """rank_padding of every core of spec (or its key()) to gemm_spec(spec)'s ranks (a constant under
     torch.compile)."""

@@ -81,7 +81,7 @@ def test_new_batch_size_costs_at_most_one_recompile():
 def test_mark_dynamic_recompiles_only_where_the_plan_changes():
     torch.manual_seed(0)
     model = cc.tensorize(nn.Sequential(nn.Linear(768, 3072)), preset="comera-six-encoder")
-    thresholds, programs = cc.network.tt_linear_segments(model.get_submodule("0").spec, False, False)
+    thresholds, programs = cc.networks.tt_linear_segments(model.get_submodule("0").spec, False, False)
     assert len(programs) == len(thresholds) + 1 >= 2
     counts = []
     compiled = torch.compile(model, backend=_counting_backend(counts), fullgraph=True)

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import comera_compile as cc
-from comera_compile import network as nw
+from comera_compile import networks as nw
 from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -111,7 +111,7 @@ def test_every_candidate_plan_matches_dense_table(cfg, rows):
                         col_modes=cfg["col_modes"], dtype=torch.float64)
     perturb_gates(layer)
     idx = torch.randint(0, cfg["vocab"], (rows,))
-    candidates = nw._lookup_candidates(layer.spec, rows, True, True)
+    candidates = nw.lookup._lookup_candidates(layer.spec, rows, True, True)
     hows = {how for c in candidates for _, _, how in c.groups}
     # a two-core table would be the dense table itself: only offered when it merges part of the cores
     assert hows == ({"rows", "table", "dedupe"} if len(cfg["row_modes"]) > 2 else {"rows", "dedupe"})
@@ -357,7 +357,7 @@ def test_planner_merges_pairs_for_big_batches_and_gathers_rows_for_small_ones():
 def test_planner_never_merges_all_cores_into_one_table():
     spec = cc.make_spec("ttm", 100, 8, 50, (10, 10), (2, 4))
     for rows in (1, 100, 10**6):
-        for plan in nw._lookup_candidates(spec, rows, True, True):
+        for plan in nw.lookup._lookup_candidates(spec, rows, True, True):
             assert plan.groups != ((0, 2, "table"),)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from comera_compile import network as nw
+from comera_compile import networks as nw
 from comera_compile.tt import make_spec
 
 SIX_ENCODER = {
@@ -149,11 +149,198 @@ def test_executed_plan_equals_dense_product(n_in_cores, n_out_cores, rank, rows,
         torch.testing.assert_close(y, x @ w, rtol=1e-10, atol=1e-10)
 
 
-def test_network_graph_has_tensors_as_nodes_and_bonds_as_edges():
+def test_network_has_tensors_as_nodes_and_bonds_as_edges():
     spec = make_spec("tt", 768, 768, 30, (12, 8, 8), (8, 8, 12))
-    g = nw.tt_linear_network(spec, 8).graph()
-    assert g.number_of_nodes() == 7
-    # x shares 3 input modes with the input cores; the 6 cores form a chain of 5 bonds
-    assert g.number_of_edges() == 3 + 5
+    net = nw.tt_linear_network(spec, 8)
+    assert len(net.tensors) == 7
+    # one edge per index two tensors share: x shares 3 input modes with the input cores; the 6 cores form a
+    # chain of 5 bonds
+    edges = [(i, j, c) for (i, a), (j, b) in itertools.combinations(enumerate(net.tensors), 2)
+             for c in set(a.indices) & set(b.indices)]
+    assert len(edges) == 3 + 5
+    assert sorted(net.size_of[c] for _, _, c in edges) == sorted([*spec.in_modes, *spec.ranks[1:-1]])
     emb = nw.ttm_embedding_network(make_spec("ttm", 1000, 64, 8, (10, 10, 10), (4, 4, 4)), 16)
     assert len(emb.tensors) == 3 and all(t.indices[0] == emb.output[0] for t in emb.tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# One cost model: the exact search, plans, the greedy fallback and the lookup planner agree on it
+
+
+def _tt_networks():
+    """TT linear networks over a spread of shapes, ranks, row counts and input gradients."""
+    rng = random.Random(7)
+    nets = [nw.tt_linear_network(make_spec("tt", 768, 3072, r, (12, 8, 8), (12, 16, 16)), rows, ig)
+            for r, rows, ig in [(30, 1, True), (30, 4096, True), (8, 64, False), (2, 16384, True)]]
+    return nets + [_random_tt_network(rng, n) for n in (3, 5, 6, 8)]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_search_cost_is_the_cost_function_of_its_tree(training):
+    for net in _tt_networks():
+        tree, cost = nw.optimal_tree(net, training)
+        plan = nw.search(net, training)
+        assert plan.tree == tree
+        assert cost == nw.tree_cost(net, tree, training) == plan.cost(training)
+        # and the definition, evaluated independently along the plan's path
+        assert cost == _path_cost(net, plan.path, training, nw.TRAFFIC_WEIGHT)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_greedy_tree_costs_at_least_the_optimum(training):
+    for net in _tt_networks():
+        greedy = nw.greedy_tree(net, training)
+        assert sorted(_tree_leaves(greedy)) == list(range(len(net.tensors)))
+        assert nw.tree_cost(net, greedy, training) >= nw.optimal_tree(net, training)[1]
+        assert nw.tree_cost(net, greedy, training) == nw.plan_from_tree(net, greedy).cost(training)
+
+
+def test_beyond_the_exact_limit_search_is_greedy_by_the_same_cost():
+    in_modes, out_modes = (2,) * 8, (2,) * 8  # 17 tensors
+    net = nw.tt_linear_network(make_spec("tt", 256, 256, 3, in_modes, out_modes), 32)
+    assert len(net.tensors) > nw.EXACT_CONNECTED
+    tree, cost = nw.optimal_tree(net)
+    assert tree == nw.greedy_tree(net)
+    assert cost == nw.tree_cost(net, tree) == nw.search(net).cost()
+
+
+def test_greedy_picks_the_cheapest_pair_first():
+    """The greedy's first contraction is, among pairs sharing an index, one of least contraction_cost."""
+    rng = random.Random(3)
+    for _ in range(6):
+        net = _random_tt_network(rng, 6)
+        tree = nw.greedy_tree(net)
+
+        def pair_cost(x: int, y: int) -> int:  # an intermediate's indices do not depend on when it is made
+            return _path_cost(net, [(x, y)], True, nw.TRAFFIC_WEIGHT)
+
+        connected = [(x, y) for x, y in itertools.combinations(range(len(net.tensors)), 2)
+                     if set(net.tensors[x].indices) & set(net.tensors[y].indices)]
+        cheapest = min(pair_cost(x, y) for x, y in connected)
+        assert cheapest in {pair_cost(*sorted(pair)) for pair in _innermost_pairs(tree)}
+
+
+def _tree_leaves(tree) -> list[int]:
+    return [tree] if isinstance(tree, int) else _tree_leaves(tree[0]) + _tree_leaves(tree[1])
+
+
+def _innermost_pairs(tree) -> list[tuple[int, int]]:
+    """The subtrees contracting two input tensors: the greedy's first step is one of them."""
+    if isinstance(tree, int):
+        return []
+    if isinstance(tree[0], int) and isinstance(tree[1], int):
+        return [tree]
+    return _innermost_pairs(tree[0]) + _innermost_pairs(tree[1])
+
+
+@pytest.mark.parametrize("rows", [1, 300, 4096])
+def test_lookup_chain_cost_is_the_cost_function_of_its_tree(rows):
+    from comera_compile.networks.lookup import _chain, _groupings
+
+    spec = make_spec("ttm", 500 * 16, 128, 16, (20, 25, 16), (4, 8, 4))
+    for training in (True, False):
+        for groups in _groupings(len(spec.in_modes)):
+            if len(groups) < 2:
+                continue
+            chain = _chain(spec, groups, rows, training)
+            tree, cost = nw.optimal_tree(chain.network, training)
+            assert chain.cost(training) == nw.tree_cost(chain.network, chain.tree, training) == cost
+            assert cost == _path_cost(chain.network, chain.path, training, nw.TRAFFIC_WEIGHT)
+        plan = nw.plan_ttm_lookup(spec, rows, training)
+        if len(plan.groups) > 1:
+            assert plan.program == _chain(spec, [(g.first, g.stop) for g in plan.groups], rows, training).program
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The search as an opt_einsum path optimizer
+
+
+def _equation(net: nw.Network) -> str:
+    return ",".join(t.indices for t in net.tensors) + "->" + net.output
+
+
+def _canonical(tree):
+    """A tree up to the order of each pair's children."""
+    return tree if isinstance(tree, int) else frozenset((_canonical(tree[0]), _canonical(tree[1])))
+
+
+def _tree_of_path(n: int, path) -> object:
+    ops: list = list(range(n))
+    for step in path:
+        picked = [ops[k] for k in step]
+        for k in sorted(step, reverse=True):
+            ops.pop(k)
+        ops.append(tuple(picked) if len(picked) > 1 else picked[0])
+    return ops[0]
+
+
+def _arrays(net: nw.Network, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn([net.size_of[c] for c in t.indices], generator=g, dtype=torch.float64) for t in net.tensors]
+
+
+@pytest.mark.parametrize("rows,rank,input_grad,training", [(1, 30, True, True), (2048, 30, True, True),
+                                                           (64, 4, False, True), (512, 8, True, False)])
+def test_optimizer_contracts_tt_linear_like_torch_einsum(rows, rank, input_grad, training):
+    spec = make_spec("tt", 96, 120, rank, (4, 4, 6), (4, 5, 6))
+    net = nw.tt_linear_network(spec, rows, input_grad)
+    eq, arrays = _equation(net), _arrays(net, rows)
+    opt = nw.TrainingPathOptimizer(training, requires_grad=[t.requires_grad for t in net.tensors])
+    y = opt_einsum.contract(eq, *arrays, optimize=opt)
+    torch.testing.assert_close(y, torch.einsum(eq, *arrays), rtol=1e-10, atol=1e-10)
+    path, _ = opt_einsum.contract_path(eq, *arrays, optimize=opt)
+    plan = nw.search(net, training)
+    assert _canonical(_tree_of_path(len(arrays), path)) == _canonical(plan.tree)
+    assert _path_cost(net, path, training, nw.TRAFFIC_WEIGHT) == plan.cost(training)
+
+
+def test_optimizer_is_exact_on_a_generic_network():
+    """A ring with a hyperedge, a dangling summed index and an outer-product factor: the optimizer's path is
+    the brute-force optimum of the training cost, and contracting along it matches torch.einsum."""
+    eq = "abh,bcq,cdh,dea,ehs,fg->afg"
+    sizes = {"a": 5, "b": 7, "c": 3, "d": 6, "e": 4, "h": 2, "q": 3, "s": 5, "f": 4, "g": 3}
+    inputs, output = eq.split("->")
+    net = nw.einsum_network(inputs.split(","), output, sizes)
+    arrays = [torch.randn([sizes[c] for c in term], dtype=torch.float64) for term in inputs.split(",")]
+    opt = nw.TrainingPathOptimizer()
+    torch.testing.assert_close(opt_einsum.contract(eq, *arrays, optimize=opt), torch.einsum(eq, *arrays),
+                               rtol=1e-10, atol=1e-10)
+    path, _ = opt_einsum.contract_path(eq, *arrays, optimize=opt)
+    brute = min(_path_cost(net, p, True, nw.TRAFFIC_WEIGHT) for p in _all_paths(len(arrays)))
+    assert _path_cost(net, path, True, nw.TRAFFIC_WEIGHT) == brute
+    assert list(path) == list(nw.search(net).path)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.integers(1, 5), st.integers(1, 20), st.booleans(), st.data())
+def test_optimizer_on_random_tt_shapes(n_in, n_out, rank, rows, training, data):
+    in_modes = tuple(data.draw(st.integers(1, 4)) for _ in range(n_in))
+    out_modes = tuple(data.draw(st.integers(1, 4)) for _ in range(n_out))
+    spec = make_spec("tt", math.prod(in_modes), math.prod(out_modes), rank, in_modes, out_modes)
+    net = nw.tt_linear_network(spec, rows)
+    eq, arrays = _equation(net), _arrays(net, rows)
+    opt = nw.TrainingPathOptimizer(training)
+    torch.testing.assert_close(opt_einsum.contract(eq, *arrays, optimize=opt), torch.einsum(eq, *arrays),
+                               rtol=1e-9, atol=1e-9)
+    if len(arrays) > 2:  # opt_einsum asks no optimizer about two operands
+        path, _ = opt_einsum.contract_path(eq, *arrays, optimize=opt)
+        cost = _path_cost(net, path, training, nw.TRAFFIC_WEIGHT)
+        if len(arrays) <= 5:
+            assert cost == min(_path_cost(net, p, training, nw.TRAFFIC_WEIGHT) for p in _all_paths(len(arrays)))
+        assert cost == nw.search(net, training).cost(training)
+
+
+def test_optimizer_defers_large_expressions_and_memory_limits_to_opt_einsum():
+    n = nw.EXACT_CONNECTED + 2
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    eq = ",".join(letters[k:k + 2] for k in range(n)) + "->" + letters[0] + letters[n]
+    g = torch.Generator().manual_seed(0)
+    arrays = [torch.randn(3, 3, generator=g, dtype=torch.float64) for _ in range(n)]
+    opt = nw.TrainingPathOptimizer(fallback="greedy")
+    torch.testing.assert_close(opt_einsum.contract(eq, *arrays, optimize=opt), torch.einsum(eq, *arrays))
+    assert opt_einsum.contract_path(eq, *arrays, optimize=opt)[0] == \
+        opt_einsum.contract_path(eq, *arrays, optimize="greedy")[0]
+    small = eq.split(",")[:4]
+    eq4 = ",".join(small) + "->" + small[0][0] + small[-1][1]
+    limited = opt_einsum.contract_path(eq4, *arrays[:4], optimize=opt, memory_limit=50)[0]
+    assert limited == opt_einsum.contract_path(eq4, *arrays[:4], optimize="greedy", memory_limit=50)[0]

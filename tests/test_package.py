@@ -32,3 +32,17 @@ def test_importing_the_formats_and_layers_does_not_import_the_compiler():
             "'comera_compile.passes', 'comera_compile.rank_adaptive', 'torch._inductor.compile_fx'))))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_constant_mark_is_the_one_torch_compile_sets():
+    import torch
+
+    from comera_compile.tt import constant_under_compile
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assert vars(constant_under_compile(ours)) == vars(torch.compiler.assume_constant_result(theirs)) != {}

@@ -4,7 +4,7 @@ Each ``call_module`` node of a TTLinear becomes: get_attr of its cores and gates
 the cores, a reshape of the activation into its modes, then per pairwise contraction, in the order the
 planner chose for the node's real shapes (from node metadata, or from example inputs run through fake
 tensors), the reshape / permute / matmul nodes that compute it -- the very ops the eager layer runs
-(network.execute, here applied to FX proxies) -- then the padding cut and bias.  ``print(gm.code)`` shows
+(networks.execute, here applied to FX proxies) -- then the padding cut and bias.  ``print(gm.code)`` shows
 the order, each contraction commented with its equation and FLOPs; the figures are also in node.meta.
 """
 
@@ -19,7 +19,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from comera_compile import network
+from comera_compile import networks
 from comera_compile.layers import TTLinear
 from comera_compile.passes import GraphPassResult, node_shape
 from comera_compile.tt import gemm_core_padding
@@ -126,9 +126,9 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                     f"{node.target} contraction {k}: {step.equation}, {_si(step.flops)} fwd, "
                     f"{_si(step.train_flops)} fwd+bwd" + ("" if step.per_row else ", cores only"))
 
-            fused = mod.bias is not None and network.fuses_bias(plan.steps[-1].recipe, spec.out_features)
+            fused = mod.bias is not None and networks.fuses_bias(plan.steps[-1].recipe, spec.out_features)
             bias = torch.fx.Proxy(graph.get_attr(f"{node.target}.bias"), tracer) if fused else None
-            result = network.execute(plan, [torch.fx.Proxy(o, tracer) for o in ops], on_step=annotate, bias=bias)
+            result = networks.execute(plan, [torch.fx.Proxy(o, tracer) for o in ops], on_step=annotate, bias=bias)
             y = emit("call_method", "reshape", (result.node, rows, spec.out_padded), "flat")
             if spec.out_padded != spec.out_features:
                 y = emit("call_function", operator.getitem, (y, (slice(None), slice(0, spec.out_features))),

@@ -1,0 +1,77 @@
+"""TT linear programs for every row count, as few constants as possible.
+
+The best tree changes with the number of rows.  tt_linear_segments splits all row counts into intervals
+with one program each, so a compiled layer picks its program by comparing the (maybe symbolic) row count
+with a handful of thresholds instead of recompiling per batch size.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..tt import TTSpec, constant_under_compile, gemm_spec
+from .order import plan_tt_linear
+from .plan import Program
+
+__all__ = ["tt_linear_program", "tt_linear_segments", "MAX_SEGMENT_ROWS"]
+
+MAX_SEGMENT_ROWS = 1 << 24
+MIN_SEGMENT_START = 8
+MIN_SEGMENT_WIDTH = 4
+
+
+@lru_cache(maxsize=4096)
+def tt_linear_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True) -> Program:
+    """The program of plan_tt_linear at gemm_spec(spec)'s ranks, for run_program on cores padded by
+    tt.gemm_core_padding."""
+    return plan_tt_linear(gemm_spec(spec), rows, training, input_requires_grad).program
+
+
+@constant_under_compile
+def tt_linear_segments(spec: TTSpec | tuple, training: bool = True,
+                       input_requires_grad: bool = True) -> tuple[tuple[int, ...], tuple[Program, ...]]:
+    """Every row count's best plan, as (thresholds, programs): rows < thresholds[0] use programs[0],
+    thresholds[0] <= rows < thresholds[1] programs[1], and so on.
+
+    A fixed tree's cost is affine in the row count, so each tree is optimal on one interval and the
+    intervals are found exactly by bisection between sampled row counts.  Under torch.compile this is a
+    constant, and comparing the (possibly symbolic) row count with the thresholds picks the program: a
+    dynamic batch dimension recompiles only where the best plan changes, never per size.  Like
+    tt_linear_program, the programs run at gemm_spec(spec)'s ranks.  spec may be a TTSpec.key()."""
+    return _segments(gemm_spec(TTSpec.of(spec)), training, input_requires_grad)
+
+
+@lru_cache(maxsize=1024)
+def _segments(spec: TTSpec, training: bool, input_requires_grad: bool) -> tuple[tuple[int, ...], tuple[Program, ...]]:
+    def tree(rows: int):
+        return plan_tt_linear(spec, rows, training, input_requires_grad).tree
+
+    samples = [1 << k for k in range(MAX_SEGMENT_ROWS.bit_length())]
+    starts = [1]
+
+    def refine(lo: int, hi: int) -> None:  # tree(lo) != tree(hi): find where the optimum changes
+        if hi - lo == 1:
+            starts.append(hi)
+            return
+        mid = (lo + hi) // 2
+        t = tree(mid)
+        if t != tree(lo):
+            refine(lo, mid)
+        if t != tree(hi):
+            refine(mid, hi)
+
+    for lo, hi in zip(samples, samples[1:]):
+        if tree(lo) != tree(hi):
+            refine(lo, hi)
+    starts = sorted(set(starts))
+    # Dynamo guards the comparisons; a segment one or two row counts wide would pin a dynamic size to a
+    # constant, so narrow segments (and all below MIN_SEGMENT_START) join the segment before them.
+    kept = [starts[0]]
+    for k, start in enumerate(starts[1:], start=1):
+        end = starts[k + 1] if k + 1 < len(starts) else MAX_SEGMENT_ROWS
+        if start >= MIN_SEGMENT_START and end - start >= MIN_SEGMENT_WIDTH:
+            kept.append(start)
+    programs = tuple(plan_tt_linear(spec, r, training, input_requires_grad).program for r in kept)
+    return tuple(kept[1:]), programs
