@@ -28,13 +28,7 @@ X0 = {"none": -0.7517915246935645, "tanh": -0.7522}   # GELU's minimum (tanh for
 SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small tensors: one intra-op thread is as fast and avoids OpenMP stalls on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
