@@ -90,23 +90,27 @@ def test_gradient_is_mask_times_scale(shape, p, dtype):
 @pytest.mark.parametrize("backend", ["inductor", "comera"])
 def test_compiled_masks_agree_between_forward_and_backward(backend):
     """Under Inductor the backward may recompute the mask (under "comera" it always does): it must be
-    the forward's mask."""
+    the forward's mask.  The mask is read off the forward output (inputs are never zero, so an output is
+    zero exactly where dropped), and the input gradient checked against upstream * mask / (1 - p)."""
     import comera_compile  # noqa: F401  (registers the backend)
 
+    p = 0.25
+
     def f(x, w):
-        return (hash_dropout(x, 0.25) * w).sum(), hash_dropout(x, 0.25)
+        return hash_dropout(x * w, p) + 1.0
 
     torch._dynamo.reset()
     cf = torch.compile(f, backend=backend, fullgraph=True)
     torch.manual_seed(0)
-    x = (torch.rand(64, 33) + 1).requires_grad_()
-    w = torch.randn(64, 33)
-    loss, y2 = cf(x, w)
-    loss.backward()
-    mask = x.grad != 0
-    torch.testing.assert_close(x.grad[mask], (w / 0.75)[mask])
-    assert abs(mask.double().mean().item() - 0.75) < 0.05
-    assert not torch.equal(mask, y2 != 0)   # the two calls drew different masks
+    x = (torch.rand(64, 33, dtype=torch.float64) + 1).requires_grad_()
+    w = torch.rand(64, 33, dtype=torch.float64) + 0.5        # x * w never zero
+    y = cf(x, w)
+    kept = (y.detach() - 1.0) != 0                            # the forward's mask
+    upstream = torch.randn(64, 33, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(upstream)
+    torch.testing.assert_close(x.grad, upstream * kept * w / (1 - p), rtol=1e-14, atol=0)
+    assert abs(kept.double().mean().item() - (1 - p)) < 0.05
+    assert not torch.equal(kept, cf(x, w).detach() != 1.0)   # the next call draws another mask
 
 
 class _Net(nn.Module):
