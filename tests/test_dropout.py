@@ -3,6 +3,7 @@ under Inductor, and the graph pass swaps every dropout of a GraphModule."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -121,6 +122,64 @@ class _Net(nn.Module):
 
     def forward(self, x):
         return F.dropout(self.drop(self.lin(x)), 0.2, training=self.training)
+
+
+class _DropNet(nn.Module):
+    """Two linears with dropout between them: an nn.Dropout module, or F.dropout(training=self.training)."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.up = nn.Linear(16, 48)
+        self.drop = nn.Dropout(0.3)
+        self.down = nn.Linear(48, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))
+        h = F.dropout(h, 0.3, training=self.training) if self.functional else self.drop(h)
+        return self.down(F.gelu(h))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_compiled_model_with_dropout_matches_eager_hash_dropout(functional):
+    """torch.compile(model, backend="comera") (fast_dropout on by default) against the same model run
+    eagerly with hash dropout: outputs and every parameter's gradient agree, step after step.  Inductor's
+    fallback_random draws the two random words with torch's own generator, as eager does, so one seed gives
+    both the same masks; the mask arithmetic and its recomputation in the backward stay compiled."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _DropNet(functional).double()
+    ref = copy.deepcopy(model)
+    ref.drop = HashDropout(0.3)
+
+    def eager(x):   # the reference forward, with hash_dropout in place of F.dropout
+        h = torch.tanh(ref.up(x))
+        h = hash_dropout(h, 0.3, training=ref.training) if functional else ref.drop(h)
+        return ref.down(F.gelu(h))
+
+    compiled = torch.compile(model, backend="comera")
+    x = torch.randn(12, 16, dtype=torch.float64)
+    upstream = torch.randn(12, 5, dtype=torch.float64)
+    with torch._inductor.config.patch(fallback_random=True):
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            got = compiled(x)
+            got.backward(upstream)
+            torch.manual_seed(seed)
+            want = eager(x)
+            want.backward(upstream)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            with torch.no_grad():   # dropout did drop something
+                assert not torch.allclose(got, ref.down(F.gelu(torch.tanh(ref.up(x)))))
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+            model.zero_grad()
+            ref.zero_grad()
+        model.eval()
+        ref.eval()
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-12, atol=1e-12)   # eval: no dropout
 
 
 def test_graph_pass_swaps_modules_and_calls():
