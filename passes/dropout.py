@@ -28,21 +28,22 @@ from comera_compile.passes.materialize import materialize
 __all__ = ["hash_dropout", "HashDropout", "fast_dropout", "recompute_hash_masks", "RecomputeHashMasks"]
 
 _M32 = 0xFFFFFFFF
-_INT32_INDICES = 2**31   # tensors with fewer elements hash in int32
+_INT32_INDICES = 2**31   # tensors with fewer elements: int32 random words, 31 bits of the mix compared
 # Odd multipliers below 2^31 (the first from Wellons' "lowbias32" search).
 _C1 = 0x7FEB352D
 _C2 = 0x2C1B3C6D
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit finaliser (xor-shift-multiply) on int32 words; the masks after each right shift make the
-    shifts logical.  int32 products wrap around (two's complement), as torch's kernels and Inductor's
-    vectorised code compute them: half the cost of the same mix in int64, which has no vector multiply."""
-    h = h ^ ((h >> 16) & 0xFFFF)
-    h = h * _C1
-    h = h ^ ((h >> 15) & 0x1FFFF)
-    h = h * _C2
-    return h ^ ((h >> 16) & 0xFFFF)
+    """A 32-bit finaliser (xor-shift-multiply) on 32-bit words held in int64, in [0, 2^32): each product
+    (below 2^63) is reduced mod 2^32 by a mask, so no signed type overflows -- signed int32 overflow is
+    undefined behaviour in the C++ Inductor generates.  The same bits as the wrapping int32 computation
+    (unsigned arithmetic mod 2^32) of earlier versions."""
+    h = h ^ (h >> 16)
+    h = (h * _C1) & _M32
+    h = h ^ (h >> 15)
+    h = (h * _C2) & _M32
+    return h ^ (h >> 16)
 
 
 def _mix64(h: torch.Tensor) -> torch.Tensor:
@@ -66,9 +67,9 @@ def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
     """Bool keep flags for n elements: element i is kept when mix(i * a + b) >= p * 2^32 (as 32-bit
     unsigned words), a odd and b drawn from torch's generator."""
     if n < _INT32_INDICES:
-        words = _draw_words(device, torch.int32)
-        idx = torch.arange(n, device=device, dtype=torch.int32)
-        h = _mix32(idx * (words[0] * 2 + 1) + words[1])
+        words = _draw_words(device, torch.int32).to(torch.int64)   # int32 saved for the backward
+        idx = torch.arange(n, device=device, dtype=torch.int64)
+        h = _mix32((idx * (words[0] * 2 + 1) + words[1]) & _M32)      # below 2^62 before the mask
         return (h & 0x7FFFFFFF) >= round(p * 2**31)   # 31 of the 32 bits
     words = _draw_words(device, torch.int64)
     idx = torch.arange(n, device=device, dtype=torch.int64) & _M32

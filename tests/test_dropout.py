@@ -59,6 +59,41 @@ def test_seeded_and_fresh_per_call(index_width):
     assert not torch.equal(a, b)
 
 
+def _python_keep(n: int, p: float, words: list[int]) -> torch.Tensor:
+    """The documented mask in Python integers: element i kept when the low 31 bits of the 32-bit mix of
+    (i * a + b) mod 2^32 are at least p * 2^31, a = 2 w0 + 1, b = w1 (unsigned arithmetic mod 2^32)."""
+    a, b = 2 * words[0] + 1, words[1]
+    keep = []
+    for i in range(n):
+        h = (i * a + b) % 2**32
+        h ^= h >> 16
+        h = h * dropout_pass._C1 % 2**32
+        h ^= h >> 15
+        h = h * dropout_pass._C2 % 2**32
+        h ^= h >> 16
+        keep.append((h & 0x7FFFFFFF) >= round(p * 2**31))
+    return torch.tensor(keep)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int32_path_masks_are_the_documented_hash(compiled):
+    """Eager and in Inductor's kernel (fallback_random: the random words from torch's generator), the masks
+    of the int32 path are the unsigned 32-bit hash computed in Python integers."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    n, p = 3000, 0.4
+    f = lambda x: hash_dropout(x, p)
+    if compiled:
+        torch._dynamo.reset()
+        f = torch.compile(f, backend="comera", fullgraph=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(11)
+        y = f(torch.ones(n))
+    torch.manual_seed(11)
+    words = torch.randint(0, 2**30, (2,), dtype=torch.int32).tolist()
+    assert torch.equal(y != 0, _python_keep(n, p, words))
+
+
 def test_identity_cases_and_errors():
     x = torch.randn(5, 7)
     assert hash_dropout(x, 0.5, training=False) is x
