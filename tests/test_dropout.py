@@ -3,6 +3,7 @@ under Inductor, and the graph pass swaps every dropout of a GraphModule."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from comera_compile.ops.hash_dropout import HashDropout, hash_dropout
+from comera_compile.ops.hash_dropout import _C1, _C2, HashDropout, hash_dropout
 from comera_compile.passes.fx import dropout as dropout_pass
 from comera_compile.passes.fx.dropout import fast_dropout
 from comera_compile.passes.joint.recompute import recompute_hash_masks
@@ -60,6 +61,41 @@ def test_seeded_and_fresh_per_call(index_width):
     assert not torch.equal(a, b)
 
 
+def _python_keep(n: int, p: float, words: list[int]) -> torch.Tensor:
+    """The documented mask in Python integers: element i kept when the low 31 bits of the 32-bit mix of
+    (i * a + b) mod 2^32 are at least p * 2^31, a = 2 w0 + 1, b = w1 (unsigned arithmetic mod 2^32)."""
+    a, b = 2 * words[0] + 1, words[1]
+    keep = []
+    for i in range(n):
+        h = (i * a + b) % 2**32
+        h ^= h >> 16
+        h = h * _C1 % 2**32
+        h ^= h >> 15
+        h = h * _C2 % 2**32
+        h ^= h >> 16
+        keep.append((h & 0x7FFFFFFF) >= round(p * 2**31))
+    return torch.tensor(keep)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_int32_path_masks_are_the_documented_hash(compiled):
+    """Eager and in Inductor's kernel (fallback_random: the random words from torch's generator), the masks
+    of the int32 path are the unsigned 32-bit hash computed in Python integers."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    n, p = 3000, 0.4
+    f = lambda x: hash_dropout(x, p)
+    if compiled:
+        torch._dynamo.reset()
+        f = torch.compile(f, backend="comera", fullgraph=True)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(11)
+        y = f(torch.ones(n))
+    torch.manual_seed(11)
+    words = torch.randint(0, 2**30, (2,), dtype=torch.int32).tolist()
+    assert torch.equal(y != 0, _python_keep(n, p, words))
+
+
 def test_identity_cases_and_errors():
     x = torch.randn(5, 7)
     assert hash_dropout(x, 0.5, training=False) is x
@@ -92,23 +128,27 @@ def test_gradient_is_mask_times_scale(shape, p, dtype):
 @pytest.mark.parametrize("backend", ["inductor", "comera"])
 def test_compiled_masks_agree_between_forward_and_backward(backend):
     """Under Inductor the backward may recompute the mask (under "comera" it always does): it must be
-    the forward's mask."""
+    the forward's mask.  The mask is read off the forward output (inputs are never zero, so an output is
+    zero exactly where dropped), and the input gradient checked against upstream * mask / (1 - p)."""
     import comera_compile  # noqa: F401  (registers the backend)
 
+    p = 0.25
+
     def f(x, w):
-        return (hash_dropout(x, 0.25) * w).sum(), hash_dropout(x, 0.25)
+        return hash_dropout(x * w, p) + 1.0
 
     torch._dynamo.reset()
     cf = torch.compile(f, backend=backend, fullgraph=True)
     torch.manual_seed(0)
-    x = (torch.rand(64, 33) + 1).requires_grad_()
-    w = torch.randn(64, 33)
-    loss, y2 = cf(x, w)
-    loss.backward()
-    mask = x.grad != 0
-    torch.testing.assert_close(x.grad[mask], (w / 0.75)[mask])
-    assert abs(mask.double().mean().item() - 0.75) < 0.05
-    assert not torch.equal(mask, y2 != 0)   # the two calls drew different masks
+    x = (torch.rand(64, 33, dtype=torch.float64) + 1).requires_grad_()
+    w = torch.rand(64, 33, dtype=torch.float64) + 0.5        # x * w never zero
+    y = cf(x, w)
+    kept = (y.detach() - 1.0) != 0                            # the forward's mask
+    upstream = torch.randn(64, 33, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y.backward(upstream)
+    torch.testing.assert_close(x.grad, upstream * kept * w / (1 - p), rtol=1e-14, atol=0)
+    assert abs(kept.double().mean().item() - (1 - p)) < 0.05
+    assert not torch.equal(kept, cf(x, w).detach() != 1.0)   # the next call draws another mask
 
 
 class _Net(nn.Module):
@@ -119,6 +159,64 @@ class _Net(nn.Module):
 
     def forward(self, x):
         return F.dropout(self.drop(self.lin(x)), 0.2, training=self.training)
+
+
+class _DropNet(nn.Module):
+    """Two linears with dropout between them: an nn.Dropout module, or F.dropout(training=self.training)."""
+
+    def __init__(self, functional: bool) -> None:
+        super().__init__()
+        self.functional = functional
+        self.up = nn.Linear(16, 48)
+        self.drop = nn.Dropout(0.3)
+        self.down = nn.Linear(48, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x))
+        h = F.dropout(h, 0.3, training=self.training) if self.functional else self.drop(h)
+        return self.down(F.gelu(h))
+
+
+@pytest.mark.parametrize("functional", [False, True])
+def test_compiled_model_with_dropout_matches_eager_hash_dropout(functional):
+    """torch.compile(model, backend="comera") (fast_dropout on by default) against the same model run
+    eagerly with hash dropout: outputs and every parameter's gradient agree, step after step.  Inductor's
+    fallback_random draws the two random words with torch's own generator, as eager does, so one seed gives
+    both the same masks; the mask arithmetic and its recomputation in the backward stay compiled."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _DropNet(functional).double()
+    ref = copy.deepcopy(model)
+    ref.drop = HashDropout(0.3)
+
+    def eager(x):   # the reference forward, with hash_dropout in place of F.dropout
+        h = torch.tanh(ref.up(x))
+        h = hash_dropout(h, 0.3, training=ref.training) if functional else ref.drop(h)
+        return ref.down(F.gelu(h))
+
+    compiled = torch.compile(model, backend="comera")
+    x = torch.randn(12, 16, dtype=torch.float64)
+    upstream = torch.randn(12, 5, dtype=torch.float64)
+    with torch._inductor.config.patch(fallback_random=True):
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            got = compiled(x)
+            got.backward(upstream)
+            torch.manual_seed(seed)
+            want = eager(x)
+            want.backward(upstream)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            with torch.no_grad():   # dropout did drop something
+                assert not torch.allclose(got, ref.down(F.gelu(torch.tanh(ref.up(x)))))
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+            model.zero_grad()
+            ref.zero_grad()
+        model.eval()
+        ref.eval()
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-12, atol=1e-12)   # eval: no dropout
 
 
 def test_graph_pass_swaps_modules_and_calls():

@@ -17,29 +17,13 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import comera_compile as cc
 from comera_compile import networks as nw
 from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
+from helpers import FULL, LargestAllocation, perturb_gates, rel_err
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-FULL = 10**9
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.detach().double(), ref.detach().double()
-    return float((got - ref).norm()) / max(float(ref.norm()), 1e-300)
-
-
-def perturb_gates(layer: TTEmbedding, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for gate in layer.gates:
-            gate.copy_(0.5 + torch.rand(gate.shape, generator=g, dtype=torch.float64).to(gate.dtype))
-
 
 def grads_vs_dense(layer: TTEmbedding, out: torch.Tensor, ref_fn) -> float:
     """Largest relative error of the core and gate gradients of sum(out * w) against the same loss on the
@@ -301,24 +285,6 @@ def test_tensorize_keeps_unsupported_bags_dense_and_says_why():
 # Never a dense table
 
 
-class _LargestAllocation(TorchDispatchMode):
-    """Records the bytes of the largest storage any aten op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-        self.what = ""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                nbytes = t.untyped_storage().nbytes()
-                if nbytes > self.largest:
-                    self.largest, self.what = nbytes, f"{func} -> {tuple(t.shape)}"
-        return out
-
-
 @pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag])
 def test_no_table_sized_tensor_is_ever_allocated(cls):
     vocab, dim = 10**6, 128
@@ -329,7 +295,7 @@ def test_no_table_sized_tensor_is_ever_allocated(cls):
     table_bytes = vocab * dim * 4
     for n in (1, 64, 4096, 20000):  # the plan changes with the batch: rows, dedupe, merged tables
         idx = torch.randint(0, vocab, (n,), generator=g)
-        with _LargestAllocation() as mode:
+        with LargestAllocation() as mode:
             out = layer(idx) if cls is TTEmbedding else layer(idx.reshape(n, 1))
             out.square().mean().backward()
             opt.step()

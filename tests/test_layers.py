@@ -23,8 +23,7 @@ from torch.func import functional_call
 
 from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
 from comera_compile.layers import TTLinear
-
-FULL = 10**9  # an int rank this large is capped at every bond's maximum: an exact factorization
+from helpers import FULL, perturb_gates, rel_err
 
 # A dense matrix of at most 2**18 entries: from_dense at full rank runs TT-SVDs whose largest unfolding has
 # about in*out entries, and the reference gradients rebuild the dense weight; bounding the product keeps
@@ -34,16 +33,6 @@ PRIMES = [2, 3, 5, 7, 11, 13, 31, 61, 127, 257, 509, 1021, 2039, 4093]
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:
-    """norm(got - ref) / max(norm(scale or ref), tiny), computed in float64."""
-    got, ref = got.detach().double(), ref.detach().double()
-    if scale is None:
-        denom = float(ref.norm())
-    else:
-        denom = float(torch.as_tensor(scale).detach().double().norm())
-    return float((got - ref).norm()) / max(denom, 1e-300)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -88,13 +77,6 @@ def embedding_table_of(layer: TTEmbedding) -> torch.Tensor:
         mask[layer.padding_idx] = 0
         w = w * mask
     return w
-
-
-def perturb_gates(layer, generator) -> None:
-    """Gates start at 1; give them other values so gate gradients and gate placement are really tested."""
-    with torch.no_grad():
-        for g in layer.gates:
-            g.copy_(0.5 + torch.rand(g.shape, generator=generator, dtype=torch.float64).to(g.dtype))
 
 
 # ---------------------------------------------------------------------------------------------------------

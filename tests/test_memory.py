@@ -24,6 +24,7 @@ from comera_compile.memory import PeakMemory, SavedTensors, peak_bytes, saved_by
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout, dropout_mask
 from comera_compile.ops.bits import pack_bits, unpack_bits
+from comera_compile.ops.buffers import _REFCOUNTS
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import TempoDropout, TempoGELU, TempoLayerNorm
@@ -35,13 +36,7 @@ X0 = {"none": -0.7517915246935645, "tanh": -0.7522}   # GELU's minimum (tanh for
 SETTINGS = dict(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small tensors: one intra-op thread is as fast and avoids OpenMP stalls on a busy 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
 
 
 def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -406,6 +401,96 @@ def test_gradient_buffer_is_reused_only_when_nobody_else_holds_it():
     g_copy = g.clone()
     gelu(x).backward(g)
     assert torch.equal(g, g_copy)
+
+
+class _GradSource(torch.autograd.Function):
+    """Identity whose backward hands on a fresh copy of its gradient, records the copy's data_ptr, and, with
+    keep, also holds the copy (in `kept`) as a second owner."""
+
+    @staticmethod
+    def forward(ctx, t, log, kept):
+        ctx.log, ctx.kept = log, kept
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.clone()
+        ctx.log["given"] = out.data_ptr()
+        if ctx.kept is not None:
+            ctx.kept.append(out)
+        return out, None, None
+
+
+class _GradSink(torch.autograd.Function):
+    """Identity whose backward records the data_ptr of the gradient it receives."""
+
+    @staticmethod
+    def forward(ctx, t, log):
+        ctx.log = log
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.log["received"] = g.data_ptr()
+        return g, None
+
+
+TEMPO_BOXED = {   # the Tempo ops whose backward takes its gradient boxed (may reuse it), with references
+    "gelu": (lambda t: gelu(t), lambda t: F.gelu(t)),
+    "gelu_dropout": (lambda t: gelu_dropout(t, 0.3, generator=torch.Generator().manual_seed(2)),
+                     lambda t: same_mask_dropout(0.3, 2)(F.gelu(t))),
+    "dropout": (lambda t: dropout(t, 0.3, generator=torch.Generator().manual_seed(2)),
+                same_mask_dropout(0.3, 2)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(TEMPO_BOXED))
+@pytest.mark.parametrize("shared", [False, True])
+def test_input_gradient_takes_the_incoming_gradient_s_buffer_only_when_unshared(op, shared):
+    """Sink <- Tempo op <- Source: the input gradient the op produces sits in the buffer of the gradient it
+    was given when nothing else holds that gradient; when something does, the op writes elsewhere and
+    leaves the held gradient as it was.  Either way the gradient is the plain torch op's (float64)."""
+    tempo_fn, ref_fn = TEMPO_BOXED[op]
+    x = torch.randn(6, 301, dtype=torch.float64)
+    upstream = torch.randn(6, 301, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    log, kept = {}, ([] if shared else None)
+    leaf = x.clone().requires_grad_()
+    _GradSource.apply(tempo_fn(_GradSink.apply(leaf, log)), log, kept).backward(upstream)
+    ref = grads_of(ref_fn, [x], upstream)[1]
+    close(leaf.grad, ref, torch.float64)
+    if shared:
+        assert log["received"] != log["given"]
+        assert torch.equal(kept[0], upstream)   # the held gradient is untouched
+    elif _REFCOUNTS:   # without the private refcount APIs gradients are never reused (always new)
+        assert log["received"] == log["given"]
+
+
+def test_one_upstream_gradient_shared_by_several_tempo_ops():
+    """Autograd hands one gradient tensor to every input of an addition: each Tempo op (and the plain op
+    beside them) must see it unchanged, whichever runs first, and the sum of gradients at a tensor feeding
+    several Tempo ops must be the plain ops' (F.gelu, F.layer_norm, dropout with the same mask; float64)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, c, d = (torch.randn(4, 64, dtype=torch.float64, generator=g) for _ in range(4))
+    w, bias = torch.rand(64, dtype=torch.float64, generator=g) + 0.5, torch.randn(64, dtype=torch.float64, generator=g)
+    proj = torch.randn(64, 5, dtype=torch.float64, generator=g)   # its backward makes the shared gradient
+    upstream = torch.randn(4, 5, dtype=torch.float64, generator=g)
+
+    def model(gelu, layer_norm, drop, gelu_drop):
+        def f(a, b, c, d, w, bias):
+            s = gelu(a) + layer_norm(b, (64,), w, bias) + drop(c) + gelu_drop(c) + torch.sin(d)
+            s = s + gelu(d) + layer_norm(d, (64,), w, bias)     # d feeds two Tempo ops and sin
+            return s @ proj
+        return f
+
+    got = grads_of(model(gelu, layer_norm,
+                         lambda t: dropout(t, 0.3, generator=torch.Generator().manual_seed(5)),
+                         lambda t: gelu_dropout(t, 0.2, generator=torch.Generator().manual_seed(6))),
+                   [a, b, c, d, w, bias], upstream)
+    ref = grads_of(model(F.gelu, F.layer_norm, same_mask_dropout(0.3, 5),
+                         lambda t: same_mask_dropout(0.2, 6)(F.gelu(t))),
+                   [a, b, c, d, w, bias], upstream)
+    for x, y in zip(got, ref):
+        close(x, y, torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -116,14 +116,24 @@ def test_small_batches_chain_through_the_activation():
     assert sum(s.per_row for s in small.steps) > sum(s.per_row for s in large.steps)
 
 
-def test_plans_are_cached_per_shape():
-    nw.plan_tt_linear.cache_clear()
-    spec_a = make_spec("tt", 768, 768, 30, (12, 8, 8), (8, 8, 12))
-    spec_b = make_spec("tt", 768, 768, 30, (12, 8, 8), (8, 8, 12))  # another layer, same shapes
-    p1 = nw.plan_tt_linear(spec_a, 1024)
-    p2 = nw.plan_tt_linear(spec_b, 1024)
-    assert p1 is p2
-    assert nw.plan_tt_linear.cache_info().hits == 1
+def test_plans_are_cached_per_shape(monkeypatch):
+    """Two layers of the same shapes share one plan, searched once; another row count is searched anew; and
+    the cached plan is the one an uncached search finds."""
+    searches = []
+    real_search = nw.search
+    monkeypatch.setattr(nw.order, "search", lambda *a, **k: searches.append(a) or real_search(*a, **k))
+    # Shapes (rank 27, 1000 / 1001 rows) that no other test plans, so nothing is cached for them yet.
+    spec_a = make_spec("tt", 768, 768, 27, (12, 8, 8), (8, 8, 12))
+    spec_b = make_spec("tt", 768, 768, 27, (12, 8, 8), (8, 8, 12))  # another layer, same shapes
+    assert spec_a is not spec_b
+    p1 = nw.plan_tt_linear(spec_a, 1000)
+    assert len(searches) == 1
+    p2 = nw.plan_tt_linear(spec_b, 1000)
+    assert p1 is p2 and len(searches) == 1
+    p3 = nw.plan_tt_linear(spec_a, 1001)
+    assert len(searches) == 2 and p3 is not p1
+    fresh = real_search(nw.tt_linear_network(spec_a, 1000), True)
+    assert (p1.path, p1.steps, p1.tree) == (fresh.path, fresh.steps, fresh.tree)
 
 
 @settings(max_examples=25, deadline=None)

@@ -15,9 +15,7 @@ import comera_compile as cc
 from comera_compile.examples import six_encoder
 from comera_compile.embedding import TTEmbedding
 from comera_compile.layers import TTLinear
-
-FULL = 10**9  # an int rank this large is capped at every bond's largest meaningful rank: exact TT-SVD
-
+from helpers import FULL, LargestAllocation
 
 def _small_encoder(**kw) -> six_encoder.SixEncoder:
     cfg = dict(vocab_size=97, d_model=48, heads=4, ffn=96, layers=2, max_positions=32, num_classes=3)
@@ -200,8 +198,16 @@ def test_inspect_cli_prints_graph_and_table():
     assert out.returncode == 0, out.stderr
     assert "def forward(self, input_ids" in out.stdout
     assert "tt_layers_5_ffn_down" in out.stdout
-    assert "layers.5.ffn_down" in out.stdout and "TTLinear" in out.stdout
-    assert "44.9x smaller" in out.stdout or "x smaller" in out.stdout
+    # The table: a row for layers.5.ffn_down, a TTLinear of the dense layer's shape and weight size.
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("layers.5.ffn_down ")]
+    assert len(rows) == 1 and rows[0][1:3] == ["TTLinear", "3072x768"], rows
+    assert f"{3072 * 768:,}" in rows[0], rows   # dense weight entries
+    # The summary: parameter counts and their ratio, against the same model tensorized here and counted.
+    model = six_encoder.build(layers=6)
+    dense = sum(p.numel() for p in model.parameters())
+    tt = cc.tensorize(model, inplace=True, preset="comera-six-encoder")
+    now = sum(p.numel() for p in tt.parameters())
+    assert f"model: {dense:,} parameters dense -> {now:,} ({dense / now:.1f}x smaller)" in out.stdout
 
 
 class _Mixed(nn.Module):
@@ -310,27 +316,12 @@ def test_containers_stay_containers():
     assert tt(torch.randn(2, 256)).shape == (2, 256)
 
 
-class _LargestAllocation(torch.utils._python_dispatch.TorchDispatchMode):
-    """Records the largest tensor any aten op returns on a real (non-meta) device, in bytes."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_meta:
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 def test_a_model_built_on_the_meta_device_trains_without_any_dense_weight():
     """Built under torch.device("meta") (no memory), tensorized, materialized with to_empty and each
     module's reset_parameters (torch's convention): it trains, no tensor anywhere near a dense weight's size
     is ever allocated, and the TT layers start at nn.Linear's / nn.Embedding's init statistics."""
     torch.manual_seed(0)
-    with _LargestAllocation() as seen:
+    with LargestAllocation() as seen:
         with torch.device("meta"):
             model = nn.Sequential(nn.Embedding(100_000, 512), nn.Linear(512, 4096), nn.GELU(),
                                   nn.Linear(4096, 512), nn.LayerNorm(512))

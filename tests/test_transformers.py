@@ -10,11 +10,9 @@ import torch
 import comera_compile as cc
 from comera_compile.embedding import TTEmbedding
 from comera_compile.layers import TTLinear
+from helpers import FULL
 
 transformers = pytest.importorskip("transformers")
-
-FULL = 10**9
-
 
 def _bert():
     cfg = transformers.BertConfig(vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -15,13 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from comera_compile import tt
+from helpers import rel_err
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got - ref).norm() / max(float(ref.norm()), 1e-300))
 
 
 def max_ranks_of(sizes) -> list[int]:

@@ -26,7 +26,7 @@ __all__ = ["hash_dropout", "HashDropout"]
 
 _M32 = 0xFFFFFFFF
 _INT32_INDICES = 2**31   # tensors with fewer elements hash in int32
-# Odd multipliers below 2^31 (the first from Wellons' "lowbias32" search).
+# Odd multipliers below 2^31 of a well-mixing 32-bit xor-shift-multiply finaliser.
 _C1 = 0x7FEB352D
 _C2 = 0x2C1B3C6D
 
@@ -34,7 +34,11 @@ _C2 = 0x2C1B3C6D
 def _mix32(h: torch.Tensor) -> torch.Tensor:
     """A 32-bit finaliser (xor-shift-multiply) on int32 words; the masks after each right shift make the
     shifts logical.  int32 products wrap around (two's complement), as torch's kernels and Inductor's
-    vectorised code compute them: half the cost of the same mix in int64, which has no vector multiply."""
+    vectorised code (a 32-bit vector multiply) compute them.  In the scalar C++ Inductor generates for a
+    loop's tail, a wrapping signed product is formally undefined; the compilers it uses emit the wrapping
+    multiply, and test_int32_path_masks_are_the_documented_hash checks the bits, eager and compiled,
+    against the hash in Python integers.  The same mix in int64 with masking is defined everywhere but
+    3.5x slower on AVX2 (no 64-bit vector multiply), so the int32 form stays."""
     h = h ^ ((h >> 16) & 0xFFFF)
     h = h * _C1
     h = h ^ ((h >> 15) & 0x1FFFF)

@@ -1,0 +1,49 @@
+"""Helpers shared by the test modules (imported as `helpers`: pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# An int rank this large is capped at every bond's largest meaningful rank: an exact factorization (TT-SVD).
+FULL = 10**9
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:
+    """norm(got - ref) / max(norm(scale or ref), tiny), computed in float64."""
+    got, ref = got.detach().double(), ref.detach().double()
+    if scale is None:
+        denom = float(ref.norm())
+    else:
+        denom = float(torch.as_tensor(scale).detach().double().norm())
+    return float((got - ref).norm()) / max(denom, 1e-300)
+
+
+def perturb_gates(layer, generator: torch.Generator | int = 1) -> None:
+    """Gates start at 1; give them values in [0.5, 1.5) (from `generator`, or a generator seeded with it)
+    so gate gradients and gate placement are really tested."""
+    if isinstance(generator, int):
+        generator = torch.Generator().manual_seed(generator)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.copy_(0.5 + torch.rand(g.shape, generator=generator, dtype=torch.float64).to(g.dtype))
+
+
+class LargestAllocation(TorchDispatchMode):
+    """Records the bytes of the largest storage any aten op returns on a real (non-meta) device, and which
+    op returned it (`what`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+        self.what = ""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not t.is_meta:
+                nbytes = t.untyped_storage().nbytes()
+                if nbytes > self.largest:
+                    self.largest, self.what = nbytes, f"{func} -> {tuple(t.shape)}"
+        return out
