@@ -3,6 +3,7 @@ the time budget and its evaluation marks, reading the curves, and a smoke run's 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -226,8 +227,12 @@ def tiny_data(tmp_path_factory):
 
 def test_time_budget_evaluates_at_its_marks_with_the_clock_stopped(tiny_data):
     cfg, data, _ = tiny_data
-    cfg = replace(cfg, minutes=0.02, evals=3)  # 1.2 s of training
     dense, _ = code_mlm.build_models(cfg, data.vocab_size)
+    # A budget of at least 1.2 s and of ten steps as fast as this machine runs them now (a loaded machine
+    # must still fit several steps, or the marks below have nothing to fall between).
+    probe = demo_train.train_one("dense", copy.deepcopy(dense), replace(cfg, minutes=None, steps=3, evals=1), data,
+                                 demo_train.encoder_params(dense))
+    cfg = replace(cfg, minutes=max(0.02, 10 * max(probe["history"]["step_time_s"]) / 60), evals=3)
     r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense), eval_steps=(2,))
     h = r["history"]
     budget = 60 * cfg.minutes
