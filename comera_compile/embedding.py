@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from . import networks
-from .layers import EXPORT_ROWS, TTLayer, check_init, checked_dtype
-from .tt import TTSpec, cores_to_dense, make_spec, random_cores, svd_cores
+from .layers import EXPORT_ROWS, TTLayer, check_init
+from .tt import TTSpec, cores_to_dense, make_spec, svd_cores
 
 __all__ = ["TTEmbedding", "TTEmbeddingBag"]
 
@@ -77,21 +77,16 @@ class TTEmbedding(TTLayer):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
         super().__init__()
-        dtype = checked_dtype(init, dtype)
-        if spec is None:
-            spec = make_spec("ttm", num_embeddings, embedding_dim, rank, row_modes, col_modes, d,
-                             where="TTEmbedding")
+        # nn.Embedding's default init: N(0, 1)
+        self._build("ttm", num_embeddings, embedding_dim, rank, row_modes, col_modes, d, init, device, dtype, spec,
+                    _cores, std=1.0)
+        spec = self.spec
         self.num_embeddings, self.embedding_dim = spec.in_features, spec.out_features
         if padding_idx is not None:
             if not -self.num_embeddings <= padding_idx < self.num_embeddings:
                 raise ValueError(f"padding_idx must be within the {self.num_embeddings} rows, got {padding_idx}")
             padding_idx %= self.num_embeddings
         self.padding_idx = padding_idx
-        if _cores is None:
-            if init == "svd":
-                raise ValueError("init='svd' needs a dense table: use TTEmbedding.from_dense(embedding, ...)")
-            _cores = random_cores(spec, 1.0, dtype=torch.float64)  # nn.Embedding's default: N(0, 1)
-        self._init_params(spec, _cores, dtype, device)
         strides, acc = [], 1
         for v in reversed(spec.in_modes):
             strides.append(acc)

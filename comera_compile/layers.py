@@ -50,6 +50,23 @@ class TTLayer(nn.Module):
 
     spec: TTSpec
 
+    def _build(self, kind: str, in_features: int, out_features: int, rank: int | Sequence[int],
+               in_modes: Sequence[int] | None, out_modes: Sequence[int] | None, d: int | None, init: str,
+               device: torch.device | str | None, dtype: torch.dtype | None, spec: TTSpec | None,
+               cores: Sequence[torch.Tensor] | None, std: float) -> torch.dtype:
+        """The spec (made from the shape arguments unless given), then the cores (given, or random with
+        entries of this std: the dense layer's own init scale) and gates as parameters; returns the dtype."""
+        dtype = checked_dtype(init, dtype)
+        if spec is None:
+            spec = make_spec(kind, in_features, out_features, rank, in_modes, out_modes, d, where=type(self).__name__)
+        if cores is None:
+            if init == "svd":
+                raise ValueError(f"init='svd' needs the dense {'weight' if kind == 'tt' else 'table'}: use "
+                                 f"{type(self).__name__}.from_dense(...)")
+            cores = random_cores(spec, std, dtype=torch.float64)
+        self._init_params(spec, cores, dtype, device)
+        return dtype
+
     def _init_params(self, spec: TTSpec, cores: Sequence[torch.Tensor], dtype, device) -> None:
         self.spec = spec
         self.cores = nn.ParameterList(
@@ -153,16 +170,10 @@ class TTLinear(TTLayer):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  spec: TTSpec | None = None, _cores: Sequence[torch.Tensor] | None = None) -> None:
         super().__init__()
-        dtype = checked_dtype(init, dtype)
-        if spec is None:
-            spec = make_spec("tt", in_features, out_features, rank, in_modes, out_modes, d, where="TTLinear")
-        self.in_features, self.out_features = spec.in_features, spec.out_features
-        if _cores is None:
-            if init == "svd":
-                raise ValueError("init='svd' needs a dense weight: use TTLinear.from_dense(linear, ...)")
-            # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in)), i.e. std 1/sqrt(3 in)
-            _cores = random_cores(spec, 1.0 / math.sqrt(3 * in_features), dtype=torch.float64)
-        self._init_params(spec, _cores, dtype, device)
+        # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in)), i.e. std 1/sqrt(3 in)
+        dtype = self._build("tt", in_features, out_features, rank, in_modes, out_modes, d, init, device, dtype, spec,
+                            _cores, std=1.0 / math.sqrt(3 * in_features))
+        self.in_features, self.out_features = self.spec.in_features, self.spec.out_features
         if bias:
             bound = 1.0 / math.sqrt(in_features)
             self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype).uniform_(-bound, bound))
