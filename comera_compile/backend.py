@@ -90,15 +90,15 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     if opts["memory"]:
         from comera_compile.passes.fx.tempo import tempo_graph
 
-        return tempo_graph(gm).graph_module.forward
+        return tempo_graph(gm, example_inputs).graph_module.forward
     if opts["fast_dropout"]:
         from comera_compile.passes.fx.dropout import fast_dropout
 
-        fast_dropout(gm)
+        fast_dropout(gm, example_inputs)
     if opts["materialize_casts"]:
         from comera_compile.passes.fx.materialize import materialize_int_casts
 
-        materialize_int_casts(gm)
+        materialize_int_casts(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))

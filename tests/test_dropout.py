@@ -234,7 +234,7 @@ def test_backend_runs_the_pass_by_default(monkeypatch):
 
     calls = []
     real = dropout_pass.fast_dropout
-    monkeypatch.setattr(dropout_pass, "fast_dropout", lambda gm: calls.append(1) or real(gm))
+    monkeypatch.setattr(dropout_pass, "fast_dropout", lambda gm, *rest: calls.append(1) or real(gm, *rest))
     torch._dynamo.reset()
     f = torch.compile(lambda x: F.dropout(x, 0.5, training=True), backend="comera")
     y = f(torch.ones(20_000))

@@ -291,7 +291,7 @@ def execute(plan: Plan, operands: Sequence[torch.Tensor],
             on_step: Callable[[int, Step, torch.Tensor], None] | None = None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """Run a plan's pairwise contractions on the operands, each a matmul on reshaped views (see
-    contract_pair); passes.contraction writes the same ops into a graph this way, through FX proxies.
+    contract_pair); passes.fx.contraction writes the same ops into a graph this way, through FX proxies.
     on_step(k, step, result) sees each result."""
     hook = None if on_step is None else (lambda k, c: on_step(k, plan.steps[k], c))
     return run_program(plan.program, operands, plan.rows, bias, hook)

@@ -3,6 +3,8 @@ hash dropout (comera_compile.ops.hash_dropout), whose mask Inductor computes ins
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.fx
 import torch.nn.functional as F
@@ -17,9 +19,10 @@ __all__ = ["fast_dropout"]
 _FUNCTIONAL = (F.dropout, torch.dropout)
 
 
-def fast_dropout(gm: torch.fx.GraphModule) -> GraphPassResult:
+def fast_dropout(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
     """Replace gm's dropouts -- F.dropout / torch.dropout calls and nn.Dropout submodules -- by hash
-    dropout, in place; returns how many were replaced."""
+    dropout, in place; the count is how many were replaced.  example_inputs is accepted, as by every fx
+    pass, and not needed."""
     count = 0
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL:

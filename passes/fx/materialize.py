@@ -10,6 +10,8 @@ copy Inductor cannot see through (a custom op), so the value lands in its own bu
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.fx
 
@@ -23,10 +25,12 @@ _CAST_METHODS = {"to", "float", "double", "half", "bfloat16", "type", "type_as"}
 _CAST_FUNCTIONS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as}
 
 
-def materialize_int_casts(gm: torch.fx.GraphModule) -> GraphPassResult:
+def materialize_int_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None
+                          ) -> GraphPassResult:
     """Route every cast of an integer or bool tensor to a floating dtype through materialize, in place,
     so Inductor converts each element once instead of in every kernel the result is broadcast into.
-    Needs the fake values dynamo records (node.meta["example_value"]); returns how many were routed."""
+    Needs the fake values dynamo records (node.meta["example_value"]); the count is how many were routed
+    (example_inputs is accepted, as by every fx pass, and not needed)."""
     count = 0
     for node in list(gm.graph.nodes):
         is_cast = ((node.op == "call_method" and node.target in _CAST_METHODS)

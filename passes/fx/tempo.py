@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
@@ -181,10 +181,11 @@ def _is_matmul(node: torch.fx.Node) -> bool:
             or (node.op == "call_method" and node.target == "matmul"))
 
 
-def tempo_graph(gm: torch.fx.GraphModule, *, gelu: bool = True, layer_norm: bool = True,
-                attention: bool = True, dropout: bool = True) -> GraphPassResult:
+def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None, *, gelu: bool = True,
+                layer_norm: bool = True, attention: bool = True, dropout: bool = True) -> GraphPassResult:
     """Replace GELU, LayerNorm, dropout and softmax -> dropout -> matmul in `gm` by their Tempo versions,
-    in place; returns gm, with a TempoSummary as ``gm.tempo_summary`` (also logged).
+    in place; the result's summary (also ``gm.tempo_summary``, and logged) is a TempoSummary.  example_inputs is
+    accepted, as by every fx pass, and not needed.
 
     Recognised: nn.GELU / F.gelu (both forms), nn.LayerNorm / F.layer_norm (any affine setting), nn.Dropout
     / F.dropout, torch.softmax / F.softmax / .softmax over the last dim feeding a dropout feeding the left
