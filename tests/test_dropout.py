@@ -1,5 +1,5 @@
-"""ops.hash_dropout and passes.fx.dropout: hash-based dropout masks have dropout's distribution, scaling and gradient, in eager and
-under Inductor, and the graph pass swaps every dropout of a GraphModule."""
+"""ops.hash_dropout and passes.fx.dropout: hash-based dropout masks have dropout's distribution, scaling and
+gradient, in eager and under Inductor, and the graph pass swaps every dropout of a GraphModule."""
 
 from __future__ import annotations
 

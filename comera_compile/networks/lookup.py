@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple, Sequence
 
-import torch
-
 from ..tt import TTSpec, constant_under_compile
 from .cost import TRAFFIC_WEIGHT
 from .network import ttm_embedding_network

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
 from ..tt import TTSpec, constant_under_compile, gemm_spec
 from .order import plan_tt_linear
 from .plan import Program

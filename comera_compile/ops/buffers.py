@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box", "new_buffer_backward", "boxed_variant"]
+__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box", "new_buffer_backward",
+           "boxed_variant"]
 
 
 FLOATS = (torch.float32, torch.float64)

@@ -13,7 +13,8 @@ from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 
-__all__ = ["TempoGELU", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "module_dropout", "module_gelu_dropout", "module_attention"]
+__all__ = ["TempoGELU", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "module_dropout", "module_gelu_dropout",
+           "module_attention"]
 
 
 # ---------------------------------------------------------------------------------------------------------
