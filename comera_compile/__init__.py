@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "comera_compile.report",
     "comera_backend": "comera_compile.backend",
     "compile_step": "comera_compile.backend",
+    "repeated_blocks": "comera_compile.backend",
     "RankAdaptive": "comera_compile.rank_adaptive",
     "param_groups": "comera_compile.optim",
     "tempo": "comera_compile.passes.module.tempo",
@@ -57,7 +58,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from comera_compile.backend import comera_backend, compile_step
+    from comera_compile.backend import comera_backend, compile_step, repeated_blocks
     from comera_compile.checkpoint import from_pretrained, save_pretrained
     from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
     from comera_compile.layers import TTLinear

@@ -13,7 +13,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .layers import TTLayer
 
-__all__ = ["param_groups", "prefer_fast_implementation", "retire", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR"]
+__all__ = ["param_groups", "prefer_fast_implementation", "retire", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR",
+           "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -28,7 +29,9 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
                  weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
     20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
-    ratios."""
+    ratios.  The groups ask for the optimizer's fast implementation: at its first step an optimizer built
+    from them switches groups left at torch's default to fused (else foreach) kernels, as
+    prefer_fast_implementation does; pass foreach= or fused= to the optimizer to choose yourself."""
     core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
     gate_lr = GATE_LR_FACTOR * lr if gate_lr is None else gate_lr
     cores, gates = [], []
@@ -40,14 +43,31 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
     groups = [{"params": cores, "lr": core_lr, "weight_decay": weight_decay, "name": "tt_cores"},
               {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
               {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
-    return [g for g in groups if g["params"]]
+    _hook_once(_switch_marked_groups)
+    return [{**g, FAST_KEY: True} for g in groups if g["params"]]
+
+
+# A param group key: switch this group to the optimizer's fast implementation at its first step.
+FAST_KEY = "prefer_fast_implementation"
+
+
+def _switch_marked_groups(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    marked = [group.pop(FAST_KEY, False) for group in optimizer.param_groups]
+    if any(marked):
+        prefer_fast_implementation(optimizer)
 
 
 # Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
 # that still steps one of them would train a tensor the model no longer uses, silently: a global optimizer
 # pre-hook makes that an error.
 _RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_HOOK: list[Any] = []
+_HOOKS: dict[Any, Any] = {}
+
+
+def _hook_once(hook: Any) -> None:
+    """Register a global optimizer step pre-hook, once per process."""
+    if hook not in _HOOKS:
+        _HOOKS[hook] = register_optimizer_step_pre_hook(hook)
 
 
 def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
@@ -92,8 +112,7 @@ def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
 
 def retire(params: list[torch.Tensor]) -> None:
     """Mark parameters a cut replaced: any optimizer step that still holds one raises (see _check_not_retired)."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_check_not_retired))
+    _hook_once(_check_not_retired)
     for p in params:
         key = id(p)
         _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.backend import OPTIONS, inductor_config
+from comera_compile.backend import OPTIONS, inductor_config, repeated_blocks
 from comera_compile.examples import six_encoder
 
 
@@ -116,6 +117,19 @@ def test_cuda_path_decisions_on_cpu():
         inductor_config({"cpu"}, None, {"cudagraphs": "yes"})
 
 
+@pytest.mark.parametrize("options,calls", [(None, 1), ({"keep_memory": False}, 0)])
+def test_backend_keeps_freed_memory_for_cpu_inputs_unless_told_not_to(monkeypatch, options, calls):
+    """torch.compile(model, backend="comera") on CPU gets the allocator setting compile_step applies."""
+    import comera_compile.backend as backend
+
+    seen = []
+    monkeypatch.setattr(backend, "keep_freed_memory", lambda: seen.append(1) or True)
+    model = nn.Linear(4, 2)
+    kwargs = {"options": options} if options else {}
+    torch.compile(model, backend="comera", **kwargs)(torch.randn(3, 4))
+    assert len(seen) == calls
+
+
 def test_mask_recompute_pass_joins_the_users_joint_passes():
     from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
@@ -174,6 +188,87 @@ def test_compile_step_matches_eager_steps():
     losses = [step(x, target) for _ in range(5)]
     assert losses[-1] < losses[0]
     assert all(g["fused"] for g in opt.param_groups)   # torch's CPU default (a loop) -> fused kernels
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = cc.TTLinear(64, 96, rank=6, in_modes=(4, 4, 4), out_modes=(4, 4, 6))
+        self.norm = nn.LayerNorm(96)
+        self.down = cc.TTLinear(96, 64, rank=6, in_modes=(4, 4, 6), out_modes=(4, 4, 4))
+
+    def forward(self, x):
+        return x + self.down(self.norm(F.gelu(self.up(x))))
+
+
+class _Stack(nn.Module):
+    def __init__(self, depth: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.blocks = nn.ModuleList(_Residual() for _ in range(depth))
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_repeated_blocks_are_the_stacked_layers():
+    assert len(repeated_blocks(_Stack())) == 3
+    six = cc.tensorize(six_encoder.build(layers=2), preset="comera-six-encoder")
+    assert repeated_blocks(six) == list(six.layers)
+    torch_encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, batch_first=True), 3,
+                                          enable_nested_tensor=False)
+    assert repeated_blocks(torch_encoder) == list(torch_encoder.layers)
+    stack = nn.Sequential(_Residual(), _Residual())   # the model itself a stack
+    assert repeated_blocks(stack) == list(stack)
+    # plain layers in a row are not blocks: compiling each alone would leave the model mostly eager
+    assert repeated_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))) == []
+    assert repeated_blocks(nn.Sequential(cc.TTLinear(64, 64, rank=4), cc.TTLinear(64, 64, rank=4))) == []
+
+
+@pytest.mark.parametrize("regional", [True, False])
+def test_compile_step_compiles_one_graph_for_all_blocks_and_trains_as_eager(regional):
+    """By default compile_step compiles the repeated blocks one by one: the three blocks share one graph,
+    which holds no op of the input layer or the head; regional=False compiles forward and loss as one
+    graph.  Either way five AdamW steps land where five eager steps do."""
+    def make():
+        torch.manual_seed(0)
+        m = _Stack()
+        return m, torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(16, 32, generator=g), torch.randint(0, 5, (16,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    model, opt = make()
+    step = cc.compile_step(model, loss_fn, opt, backend=counting, regional=regional)
+    for _ in range(2):
+        step(x, target)
+    assert len(graphs) == 1
+    shapes = {tuple(p.shape) for p in graphs[0].parameters()} | {
+        tuple(n.meta["example_value"].shape) for n in graphs[0].graph.find_nodes(op="placeholder")
+        if isinstance(n.meta.get("example_value"), torch.Tensor)}
+    assert ((5, 64) in shapes) is not regional   # the head's weight: in the one whole graph only
+    eager, eager_opt = make()
+    for _ in range(5):
+        loss_fn(eager(x), target).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+    torch._dynamo.reset()
+    model, opt = make()
+    step = cc.compile_step(model, loss_fn, opt, regional=regional)
+    for _ in range(5):
+        step(x, target)
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.layers import TTLinear
-from comera_compile.optim import param_groups
+from comera_compile.optim import FAST_KEY, param_groups
 from comera_compile.rank_adaptive import RankAdaptive
 
 NOISE = 0.05
@@ -400,6 +400,28 @@ def test_cut_without_the_optimizer_is_an_error_at_its_next_step():
     opt2 = torch.optim.AdamW(param_groups(model))  # an optimizer built after the cut is fine
     opt2.step()
     ra.attach(opt2)
+
+
+@pytest.mark.parametrize("opt_cls,implementation", [(torch.optim.AdamW, "fused"), (torch.optim.RMSprop, "foreach")])
+def test_optimizer_built_from_param_groups_takes_its_fast_implementation(opt_cls, implementation):
+    """An optimizer built from param_groups runs fused (else foreach) kernels from its first step, with the
+    updates of torch's per-parameter loop; one that names its implementation keeps it."""
+    torch.manual_seed(0)
+    fast_model = _net(8, 8)
+    slow_model = copy.deepcopy(fast_model)
+    fast = opt_cls(param_groups(fast_model, lr=1e-3))
+    slow = opt_cls(param_groups(slow_model, lr=1e-3), foreach=False)
+    x, y = torch.randn(64, 64), torch.randn(64, 16)
+    for _ in range(3):
+        for m, o in ((fast_model, fast), (slow_model, slow)):
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+            o.zero_grad()
+    assert all(g[implementation] for g in fast.param_groups)
+    assert not any(g.get("fused") or g["foreach"] for g in slow.param_groups)
+    assert not any(FAST_KEY in g for o in (fast, slow) for g in o.param_groups)
+    for p, q in zip(fast_model.parameters(), slow_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
 
 def test_param_groups_derive_core_and_gate_rates_from_one_lr():
