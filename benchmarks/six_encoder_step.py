@@ -1,26 +1,70 @@
-"""One AdamW training step of the six-encoder model (PAPERS.md), batch 8 x 128 tokens, four ways:
-dense eager, dense under torch.compile (Inductor), tensorized eager, tensorized under backend "comera".
+"""One AdamW training step of the six-encoder model (the paper's shapes, r = 30), batch 8 x 128 and 1 x 128:
+dense eager, dense under torch.compile (Inductor), tensorized eager, tensorized under backend "comera"
+(cc.compile_step), and the same compiled step with every TT linear layer contracted in the reference
+implementation's fixed order (merge the input cores, merge the output cores, two GEMMs), so the planner's
+lead over that order is measured in the same run.  Then the first call of the compiled step, each in a
+fresh process: with Inductor's caches empty (cold) and again with the caches the first left (warm).
 
-All four run in one process, interleaved, medians after warm-up; first-compile times are reported.  The
-compiled steps come from compile_step, which sets keep_freed_memory() for the whole process before any
-variant is timed, so all four run with the same allocator settings."""
+All variants of one batch size run in one process, interleaved, medians after warm-up.  The compiled steps
+come from compile_step, which sets keep_freed_memory() for the whole process before any variant is timed,
+so all of them run with the same allocator settings."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 import comera_compile as cc
+from comera_compile import networks
+from comera_compile.backend import comera_backend
 from comera_compile.examples import six_encoder
+from comera_compile.tt import TTSpec, constant_under_compile, gemm_spec
 
-from .common import compare, eager_step, format_flat_rows as format_rows
+from .common import compare, eager_step
 
-__all__ = ["run", "format_rows"]
+__all__ = ["run", "format_rows", "fixed_order", "first_call_seconds"]
 
 
-def _step_fn(model: nn.Module, compiled_backend: str | None):
+def _fixed_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True):
+    padded = gemm_spec(spec)
+    net = networks.tt_linear_network(padded, int(rows), input_requires_grad)
+    return networks.plan_from_tree(net, networks.reference_tree(padded)).program
+
+
+@constant_under_compile
+def _fixed_segments(spec: TTSpec | tuple, training: bool = True, input_requires_grad: bool = True):
+    return (), (_fixed_program(TTSpec.of(spec), 128, training, input_requires_grad),)
+
+
+@contextlib.contextmanager
+def fixed_order() -> Iterator[None]:
+    """While active, TT linear layers run (and compile) the reference implementation's fixed order
+    (networks.reference_tree) instead of the searched plans: the baseline the planner is measured against."""
+    saved = networks.tt_linear_program, networks.tt_linear_segments
+    networks.tt_linear_program, networks.tt_linear_segments = _fixed_program, _fixed_segments
+    try:
+        yield
+    finally:
+        networks.tt_linear_program, networks.tt_linear_segments = saved
+
+
+def _comera_fixed_order(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+    """backend "comera" under another name: dynamo keeps this variant's compiled blocks apart from the
+    searched variant's (its cache checks the backend), so each runs the order it was traced with."""
+    return comera_backend(gm, example_inputs)
+
+
+def _step_fn(model: nn.Module, compiled_backend: Any) -> Callable[..., torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     loss_fn = nn.CrossEntropyLoss()
     if compiled_backend is None:
@@ -28,44 +72,116 @@ def _step_fn(model: nn.Module, compiled_backend: str | None):
     return cc.compile_step(model, loss_fn, opt, backend=compiled_backend)
 
 
-def run(quick: bool = False, batch: int = 8, seq: int = 128, layers: int | None = None) -> list[dict]:
-    """Median step times (ms) of the four variants, the speedups, parameter counts, compile times.
-    layers defaults to the paper's 6, or 1 when quick (compiling six layers takes minutes); quick also
-    leaves out dense Inductor, which no ratio uses and whose cold compile alone takes about 25 s here."""
-    layers = layers if layers is not None else (1 if quick else 6)
+def _in_fixed_order(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        with fixed_order():
+            return step(*args)
+    return run
+
+
+def _tensorized(layers: int) -> nn.Module:
+    return cc.tensorize(six_encoder.build(layers=layers), preset="comera-six-encoder", inplace=True)
+
+
+def step_times(batch: int, seq: int, layers: int, quick: bool) -> dict:
+    """Median step times (ms) of every variant at one batch size, the speedups, parameter counts."""
+    torch._dynamo.reset()
     torch.manual_seed(0)
     dense = six_encoder.build(layers=layers)
-    tt = cc.tensorize(dense, preset="comera-six-encoder")
-    dense_c = six_encoder.build(layers=layers)
-    tt_c = cc.tensorize(six_encoder.build(layers=layers), preset="comera-six-encoder", inplace=True)
+    variants = {"dense eager": _step_fn(dense, None)}
+    if not quick and batch > 1:   # dense Inductor: no ratio uses it; its compile alone takes about 25 s
+        variants["dense inductor"] = _step_fn(six_encoder.build(layers=layers), "inductor")
+    tt = _tensorized(layers)
+    variants["tensorized eager"] = _step_fn(tt, None)
+    variants["tensorized comera"] = _step_fn(_tensorized(layers), "comera")
+    variants["comera, fixed order"] = _in_fixed_order(_step_fn(_tensorized(layers), _comera_fixed_order))
     ids, seg, mask = six_encoder.example_inputs(dense, batch=batch, seq=seq)
     target = torch.randint(0, 3, (batch,))
     batch_args = (ids, seg, mask, target)
-    variants = {
-        "dense eager": _step_fn(dense, None),
-        "dense inductor": _step_fn(dense_c, "inductor"),
-        "tensorized eager": _step_fn(tt, None),
-        "tensorized comera": _step_fn(tt_c, "comera"),
-    }
-    if quick:
-        del variants["dense inductor"]
-    compile_s = {}
-    for name in [n for n in ("dense inductor", "tensorized comera") if n in variants]:
-        t0 = time.perf_counter()
-        variants[name](*batch_args)
-        compile_s[name] = time.perf_counter() - t0
     m = compare({k: (lambda f=f: f(*batch_args)) for k, f in variants.items()},
-                warmup=1 if quick else 2, repeat=3 if quick else 7)
+                warmup=2, repeat=3 if quick else (15 if batch == 1 else 7))
     ms = {k: v.median * 1e3 for k, v in m.items()}
-    return [{
+    return {
         "benchmark": f"six_encoder_step_b{batch}x{seq}_l{layers}", **{f"{k} ms": v for k, v in ms.items()},
         "comera vs dense eager": ms["dense eager"] / ms["tensorized comera"],
         "comera vs tensorized eager": ms["tensorized eager"] / ms["tensorized comera"],
+        "comera vs fixed order": ms["comera, fixed order"] / ms["tensorized comera"],
         "dense params": sum(p.numel() for p in dense.parameters()),
         "tensorized params": sum(p.numel() for p in tt.parameters()),
-        **{f"first compile s ({k})": v for k, v in compile_s.items()},
-    }]
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _first_call(batch: int, seq: int, layers: int) -> float:
+    torch.manual_seed(0)
+    model = _tensorized(layers)
+    step = _step_fn(model, "comera")
+    ids, seg, mask = six_encoder.example_inputs(model, batch=batch, seq=seq)
+    t0 = time.perf_counter()
+    step(ids, seg, mask, torch.randint(0, 3, (batch,)))
+    return time.perf_counter() - t0
+
+
+def first_call_seconds(batch: int = 8, seq: int = 128, layers: int = 6) -> dict[str, float]:
+    """Seconds of the compiled step's first call (compile included), each in a fresh process at this
+    process's thread count: 'cold' with an empty Inductor cache, 'warm' with the cache the cold run left."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="comera-bench-cache-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        for kind in ("cold", "warm"):
+            cmd = [sys.executable, "-m", __name__, "--first-call", "--batch", str(batch), "--seq", str(seq),
+                   "--layers", str(layers), "--threads", str(torch.get_num_threads())]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"first-call run failed ({' '.join(cmd)}):\n{done.stderr[-2000:]}")
+            out[kind] = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return out
+
+
+def run(quick: bool = False, batches: tuple[int, ...] = (8, 1), seq: int = 128, layers: int | None = None
+        ) -> list[dict]:
+    """A row of step times per batch size, then (not when quick) the first-call row.  layers defaults to
+    the paper's 6, or 1 when quick."""
+    layers = layers if layers is not None else (1 if quick else 6)
+    rows = [step_times(b, seq, layers, quick) for b in batches]
+    if not quick:
+        first = first_call_seconds(batches[0], seq, layers)
+        rows.append({"benchmark": f"six_encoder_first_call_b{batches[0]}x{seq}_l{layers}",
+                     "cold cache s": first["cold"], "warm cache s": first["warm"],
+                     "threads": torch.get_num_threads()})
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        if "cold cache s" in r:
+            lines.append(f"{r['benchmark']}: first call of the compiled step {r['cold cache s']:.1f} s with "
+                         f"empty caches, {r['warm cache s']:.1f} s warm ({r['threads']} threads)")
+            continue
+        times = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in r.items() if k.endswith(" ms"))
+        lines.append(f"{r['benchmark']} ({r['threads']} threads): {times}; comera {r['comera vs dense eager']:.2f}x "
+                     f"faster than dense eager, {r['comera vs tensorized eager']:.2f}x than tensorized eager, "
+                     f"{r['comera vs fixed order']:.2f}x than the fixed order; params {r['dense params']:,} -> "
+                     f"{r['tensorized params']:,}")
+    return "\n".join(lines)
+
+
+def _main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--first-call", action="store_true", help="time the compiled step's first call, print JSON")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--threads", type=int, default=None)
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.first_call:
+        print(json.dumps({"seconds": _first_call(args.batch, args.seq, args.layers)}))
+    else:
+        print(format_rows(run(batches=(args.batch,), seq=args.seq, layers=args.layers)))
 
 
 if __name__ == "__main__":
-    print(format_rows(run()))
+    _main()

@@ -67,9 +67,17 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_threads(command: str, threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"comera-compile {command}: --threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from comera_compile.benchmarks.suite import run_suite
 
+    _set_threads("bench", args.threads)
     try:
         run_suite(quick=args.quick, only=args.only, json_path=args.json)
     except ValueError as e:
@@ -87,10 +95,7 @@ def _demo(args: argparse.Namespace) -> int:
         given["progress"] = False
     if args.steps is not None and args.minutes is None:
         given["minutes"] = None  # --steps alone: a step budget, not the preset's time budget with a step cap
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"comera-compile demo: --threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    _set_threads("demo", args.threads)
     try:
         code_mlm.run(code_mlm.preset(args.preset, **given))
     except code_mlm.DemoError as e:
@@ -168,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", nargs="+", metavar="NAME", default=None,
                    help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
                         "six_encoder_step, galore)")
+    b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)

@@ -67,3 +67,29 @@ def test_flat_rows_print_floats_ints_and_labels():
 
     row = {"benchmark": "b", "ms": 1.5, "params": 1234567, "execution": "eager (--quick)"}
     assert format_flat_rows([row]) == "b: ms 1.5, params 1,234,567, execution eager (--quick)"
+
+
+def test_fixed_order_baseline_runs_the_reference_order_and_computes_the_same_product():
+    """The six-encoder benchmark's baseline: inside fixed_order() a TT layer contracts in the reference
+    tree's order (eager and compiled), gives the dense product, and the planner's order is back after."""
+    from comera_compile import networks
+    from comera_compile.benchmarks import six_encoder_step as bench
+    from comera_compile.layers import TTLinear
+
+    torch.manual_seed(0)
+    tt = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16))
+    x = torch.randn(128, 768, dtype=torch.float64, requires_grad=True)
+    tt = tt.double()
+    dense = x @ tt.to_dense().t() + tt.bias
+    fixed = networks.plan_from_tree(networks.tt_linear_network(tt.gemm_spec, 128),
+                                    networks.reference_tree(tt.gemm_spec))
+    assert fixed.training_flops > tt.plan(128).training_flops   # a different, costlier order
+    saved = networks.tt_linear_program
+    with bench.fixed_order():
+        assert networks.tt_linear_program(tt.spec, 128) == fixed.program
+        eager = tt(x)
+        compiled = torch.compile(tt, backend=bench._comera_fixed_order)(x)
+    assert networks.tt_linear_program is saved
+    torch.testing.assert_close(eager, dense)
+    torch.testing.assert_close(compiled, dense)
+    torch._dynamo.reset()
