@@ -219,6 +219,62 @@ def test_compiled_model_with_dropout_matches_eager_hash_dropout(functional):
         torch.testing.assert_close(compiled(x), eager(x), rtol=1e-12, atol=1e-12)   # eval: no dropout
 
 
+class _ThreeDrops(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 24)
+        self.down = nn.Linear(24, 5)
+
+    def forward(self, x):
+        h = F.dropout(torch.tanh(self.up(x)), 0.3, training=self.training)
+        h = F.dropout(h * 2.0, 0.5, training=self.training) + F.dropout(h, 0.1, training=self.training)
+        return self.down(h)
+
+
+def test_dropouts_of_a_graph_share_one_draw_and_mask_as_eager_calls_do():
+    """The pass gives a graph's dropout calls one draw of random words (one kernel, not one per call); with
+    the generator's own bits (fallback_random) each call still masks as an eager hash_dropout call drawing
+    its own words in turn: outputs and gradients equal, in float64."""
+    import comera_compile  # noqa: F401  (registers the backend)
+    from comera_compile.ops.hash_dropout import draw_words
+
+    draws = []
+
+    def counting(gm, example_inputs):
+        fast_dropout(gm, example_inputs)
+        draws.append(sum(n.target is draw_words for n in gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ThreeDrops().double()
+    x = torch.randn(12, 16, dtype=torch.float64)
+    torch.compile(model, backend=counting)(x)
+    assert draws == [1]
+
+    def eager(x):
+        h = hash_dropout(torch.tanh(model.up(x)), 0.3)
+        h = hash_dropout(h * 2.0, 0.5) + hash_dropout(h, 0.1)
+        return model.down(h)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="comera")
+    upstream = torch.randn(12, 5, dtype=torch.float64)
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(3)
+        got = compiled(x)
+        got.backward(upstream)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        torch.manual_seed(3)
+        want = eager(x)
+        want.backward(upstream)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
 def test_graph_pass_swaps_modules_and_calls():
     gm = torch.fx.symbolic_trace(_Net())
     assert fast_dropout(gm).count == 2
@@ -261,8 +317,9 @@ def _saved_tensors(fn, *args):
 
 
 def test_backend_recomputes_the_masks_instead_of_saving_them():
-    """Under backend "comera" the backward of a small encoder recomputes its hash masks from the two
-    random words of each dropout (Inductor's default partitioning saves several bool masks here)."""
+    """Under backend "comera" the backward of a small encoder recomputes its hash masks from the random
+    words of its dropouts, two each, drawn once for the graph (Inductor's default partitioning saves
+    several bool masks here)."""
     import comera_compile  # noqa: F401  (registers the backend)
     from comera_compile.examples import six_encoder
 
@@ -274,7 +331,7 @@ def test_backend_recomputes_the_masks_instead_of_saving_them():
     loss, saved = _saved_tensors(f, ids, seg, mask)
     assert not [s for s in saved if s[0] == torch.bool], saved
     words = [numel for dtype, numel in saved if dtype == torch.int32]
-    assert words == [2] * (1 + 3 * 2), saved   # embedding dropout, three per layer
+    assert words == [2 * (1 + 3 * 2)], saved   # embedding dropout, three per layer: one draw
     loss.backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 

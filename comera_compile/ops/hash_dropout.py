@@ -21,7 +21,7 @@ from torch import nn
 
 from comera_compile.ops.materialize import materialize
 
-__all__ = ["hash_dropout", "HashDropout"]
+__all__ = ["hash_dropout", "HashDropout", "draw_words"]
 
 
 _M32 = 0xFFFFFFFF
@@ -56,35 +56,40 @@ def _mix64(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _draw_words(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Two random words in [0, 2^30) from torch's generator, in a buffer of their own: Inductor would
-    otherwise inline the torch.randint into the elementwise kernel and run Philox again for every vector
-    of elements (three times the cost of the whole mask)."""
-    return materialize(torch.randint(0, 2**30, (2,), device=device, dtype=dtype))
+def draw_words(sites: int, device: torch.device | str) -> torch.Tensor:
+    """2 x sites random words in [0, 2^30) (int32) from torch's generator, in a buffer of their own: Inductor
+    would otherwise inline the torch.randint into the elementwise kernel and run Philox again for every
+    vector of elements (three times the cost of the whole mask).  One draw serves every dropout of a graph
+    (passes.fx.dropout hands site i words[2i:2i+2]); on the CPU generator it gives the words one draw per
+    site would, in the same order."""
+    return materialize(torch.randint(0, 2**30, (2 * sites,), device=device, dtype=torch.int32))
 
 
-def _keep(n: int, p: float, device: torch.device) -> torch.Tensor:
+def _keep(n: int, p: float, device: torch.device, words: torch.Tensor | None = None) -> torch.Tensor:
     """Bool keep flags for n elements: element i is kept when mix(i * a + b) >= p * 2^32 (as 32-bit
-    unsigned words), a odd and b drawn from torch's generator."""
+    unsigned words), a odd and b the two words (drawn from torch's generator when not given)."""
+    if words is None:
+        words = draw_words(1, device)
     if n < _INT32_INDICES:
-        words = _draw_words(device, torch.int32)
         idx = torch.arange(n, device=device, dtype=torch.int32)
         h = _mix32(idx * (words[0] * 2 + 1) + words[1])
         return (h & 0x7FFFFFFF) >= round(p * 2**31)   # 31 of the 32 bits
-    words = _draw_words(device, torch.int64)
+    words = words.to(torch.int64)
     idx = torch.arange(n, device=device, dtype=torch.int64) & _M32
     return _mix64((idx * (words[0] * 2 + 1) + words[1]) & _M32) >= round(p * 2**32)
 
 
-def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.dropout`` with hash-based masks (see the module docstring)."""
+def hash_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
+                 words: torch.Tensor | None = None) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.dropout`` with hash-based masks (see the module docstring); words,
+    when given, are the mask's two random words (else drawn here)."""
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     if not training or p == 0.0:
         return input
     if p == 1.0:
         return input.zero_() if inplace else input * 0.0
-    mask = _keep(input.numel(), p, input.device).view(input.shape)
+    mask = _keep(input.numel(), p, input.device, words).view(input.shape)
     scale = 1.0 / (1.0 - p)
     if inplace:
         return input.mul_(mask).mul_(scale)
