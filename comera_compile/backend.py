@@ -86,8 +86,10 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                    options: dict[str, Any] | None = None) -> Callable:
     """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
     opts = _check_options(options)
-    if opts["keep_memory"] and _devices(example_inputs) == {"cpu"}:
-        keep_freed_memory()
+    if _devices(example_inputs) == {"cpu"}:
+        _probe_cpu_compiler_early()
+        if opts["keep_memory"]:
+            keep_freed_memory()
     if opts["contraction"]:
         from comera_compile.passes.fx.contraction import expand_contractions
 
@@ -107,6 +109,19 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))
+
+
+@functools.cache
+def _probe_cpu_compiler_early() -> None:
+    """Start Inductor's once-per-process check of the CPU's vector ISAs (it builds and loads a test library
+    with the C++ compiler, about 2 s on a cold cache) on a thread, so it runs while AOTAutograd traces the
+    graph instead of blocking the first kernel's code generation.  Inductor's own call later finds the
+    result cached, or the library built."""
+    import threading
+
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    threading.Thread(target=valid_vec_isa_list, name="comera-probe-vec-isa", daemon=True).start()
 
 
 def register() -> None:
