@@ -87,7 +87,7 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
     opts = _check_options(options)
     if _devices(example_inputs) == {"cpu"}:
-        _probe_cpu_compiler_early()
+        _warm_cpu_compiler_early()
         if opts["keep_memory"]:
             keep_freed_memory()
     if opts["contraction"]:
@@ -111,17 +111,30 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))
 
 
-@functools.cache
-def _probe_cpu_compiler_early() -> None:
-    """Start Inductor's once-per-process check of the CPU's vector ISAs (it builds and loads a test library
-    with the C++ compiler, about 2 s on a cold cache) on a thread, so it runs while AOTAutograd traces the
-    graph instead of blocking the first kernel's code generation.  Inductor's own call later finds the
-    result cached, or the library built."""
-    import threading
+_WARM_KERNEL = ('#include <torch/csrc/inductor/cpp_prefix.h>\n'
+                'extern "C" void kernel(float* out_ptr0) { out_ptr0[0] = 0.0f; }\n')
 
+
+def _warm_cpu_compiler() -> None:
+    from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    threading.Thread(target=valid_vec_isa_list, name="comera-probe-vec-isa", daemon=True).start()
+    try:
+        valid_vec_isa_list()
+        AsyncCompile().cpp_pybinding(["float*"], _WARM_KERNEL)
+    except Exception:  # a head start only: Inductor's own build reports any real failure
+        pass
+
+
+@functools.cache
+def _warm_cpu_compiler_early() -> None:
+    """Start, on a thread, what Inductor's first CPU kernel waits for on a cold cache: its once-per-process
+    check of the CPU's vector ISAs (a test library built and loaded, about 2 s) and the precompiled kernel
+    header (about 2 s more), by building a one-line kernel the way generated code does.  Both then run
+    while AOTAutograd traces the graph; Inductor finds them cached."""
+    import threading
+
+    threading.Thread(target=_warm_cpu_compiler, name="comera-warm-cpu-compiler", daemon=True).start()
 
 
 def register() -> None:

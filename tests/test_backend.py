@@ -130,9 +130,10 @@ def test_backend_keeps_freed_memory_for_cpu_inputs_unless_told_not_to(monkeypatc
     assert len(seen) == calls
 
 
-def test_backend_probes_the_cpu_vector_isa_on_a_thread_once(monkeypatch):
-    """The first CPU compile starts Inductor's vector-ISA check (a C++ build on a cold cache) on a thread of
-    its own, so it overlaps AOTAutograd's tracing; later compiles do not start it again."""
+def test_backend_warms_the_cpu_compiler_on_a_thread_once(monkeypatch):
+    """The first CPU compile starts Inductor's vector-ISA check and a one-line kernel's build (the
+    precompiled header) on a thread of its own, so they overlap AOTAutograd's tracing; later compiles do
+    not start it again."""
     import threading
 
     import torch._inductor.cpu_vec_isa as isa
@@ -141,13 +142,13 @@ def test_backend_probes_the_cpu_vector_isa_on_a_thread_once(monkeypatch):
     probed = threading.Event()
     real = isa.valid_vec_isa_list
     monkeypatch.setattr(isa, "valid_vec_isa_list", lambda: (probed.set(), real())[1])
-    backend._probe_cpu_compiler_early.cache_clear()
+    backend._warm_cpu_compiler_early.cache_clear()
     threads, start = [], threading.Thread.start
     monkeypatch.setattr(threading.Thread, "start", lambda self: (threads.append(self.name), start(self)))
     for _ in range(2):
         torch.compile(nn.Linear(4, 2), backend="comera")(torch.randn(3, 4))
         torch._dynamo.reset()
-    assert probed.wait(60) and threads.count("comera-probe-vec-isa") == 1
+    assert probed.wait(60) and threads.count("comera-warm-cpu-compiler") == 1
 
 
 def test_mask_recompute_pass_joins_the_users_joint_passes():
