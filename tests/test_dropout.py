@@ -251,6 +251,11 @@ def test_dropouts_of_a_graph_share_one_draw_and_mask_as_eager_calls_do():
     x = torch.randn(12, 16, dtype=torch.float64)
     torch.compile(model, backend=counting)(x)
     assert draws == [1]
+    model.eval()   # an eval graph draws no words: the generator's state is left as eager leaves it
+    state = torch.get_rng_state()
+    torch.compile(model, backend=counting)(x)
+    assert draws == [1, 0] and torch.equal(torch.get_rng_state(), state)
+    model.train()
 
     def eager(x):
         h = hash_dropout(torch.tanh(model.up(x)), 0.3)

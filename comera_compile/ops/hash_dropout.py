@@ -61,7 +61,7 @@ def draw_words(sites: int, device: torch.device | str) -> torch.Tensor:
     would otherwise inline the torch.randint into the elementwise kernel and run Philox again for every
     vector of elements (three times the cost of the whole mask).  One draw serves every dropout of a graph
     (passes.fx.dropout hands site i words[2i:2i+2]); on the CPU generator it gives the words one draw per
-    site would, in the same order."""
+    site would, in the same order, when no other draw from the generator comes between the sites."""
     return materialize(torch.randint(0, 2**30, (2 * sites,), device=device, dtype=torch.int32))
 
 

@@ -50,9 +50,17 @@ def fast_dropout(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | No
     return GraphPassResult(gm, count)
 
 
+def _may_drop(node: torch.fx.Node) -> bool:
+    """False for a hash_dropout call that draws nothing: p 0 or 1, or training False, as constants."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+    training = node.args[2] if len(node.args) > 2 else node.kwargs.get("training", True)
+    return not (training is False or (isinstance(p, (int, float)) and p in (0, 1)))
+
+
 def _share_words(graph: torch.fx.Graph, calls: list[torch.fx.Node]) -> None:
     """Give the hash-dropout calls one draw of words, call i words[2i:2i+2], when there are several and
     the graph's metadata says they run on one device (else each draws its own)."""
+    calls = [node for node in calls if _may_drop(node)]   # an eval graph draws nothing, as eager does
     values = [node_value(node.args[0] if node.args else node.kwargs.get("input")) for node in calls]
     devices = {v.device for v in values if isinstance(v, torch.Tensor)}
     if len(calls) < 2 or len(devices) != 1 or not all(isinstance(v, torch.Tensor) for v in values):
