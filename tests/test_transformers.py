@@ -224,3 +224,56 @@ def test_transformer_encoder_trains_compiled_and_round_trips_through_state_dict(
     with torch.no_grad():
         assert torch.equal(back(x), want)
     torch._dynamo.reset()
+
+
+def _loss(name):
+    if name == "bert":
+        return lambda out, y: torch.nn.functional.cross_entropy(out.logits, y)
+    return lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("llama", _llama)])
+def test_compile_step_at_its_defaults_compiles_each_layer_once_trains_as_eager_and_honours_eval(name, factory):
+    """cc.compile_step at its defaults (regional: the stacked layers compiled one by one) on transformers
+    models: their layers are the repeated blocks, three SGD steps land where three eager steps do, and
+    eval() afterwards is honoured by the compiled layers (their logits are eager's in eval)."""
+    def make():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = _no_dropout(cc.tensorize(factory(), rank=8, min_features=32))
+        # SGD, not AdamW: attention's key bias has an exactly-zero gradient, and Adam would turn the
+        # rounding noise around zero into lr-sized steps of random sign in either run
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    batch = _batch(name)
+    args = (batch["input_ids"], batch["labels"])
+    eager, eager_opt = make()
+    for _ in range(3):
+        _loss(name)(eager(args[0]), args[1]).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+    torch._dynamo.reset()
+    model, opt = make()
+    blocks = cc.repeated_blocks(model)
+    assert len(blocks) == 2 and type(blocks[0]).__name__.endswith(("Layer", "Block"))
+    step = cc.compile_step(model, _loss(name), opt)
+    for _ in range(3):
+        step(*args)
+    assert all(b._compiled_call_impl is not None for b in blocks)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, n
+    drops = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in drops:   # dropout back on: eval must switch it off in the compiled layers too
+        m.p = 0.5
+    with torch.no_grad():
+        with torch.compiler.set_stance("force_eager"):
+            model.eval()
+            want = model(args[0]).logits
+            model.train()
+        if drops:   # the check can fail: in train mode the compiled layers do drop
+            assert not torch.allclose(model(args[0]).logits, want, rtol=1e-4, atol=1e-5)
+        model.eval()
+        got = model(args[0]).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
