@@ -141,3 +141,58 @@ def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
     for r in range(2):
         error = torch.load(f"{out}.{r}")["error"]
         assert error is not None and "rebuild the wrapper" in error, error
+
+
+def _stack() -> nn.Module:
+    """A model of repeated blocks the tests did not write: a tensorized nn.TransformerEncoder."""
+    import warnings
+
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8, min_features=32)
+
+
+def _stack_train(model: nn.Module, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+    """STEPS of cc.compile_step at its defaults (the encoder layers compiled one by one); SGD, as Adam would
+    turn the exactly-zero gradient of attention's key bias into noise-driven steps."""
+    import comera_compile as cc
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = cc.compile_step(model, nn.functional.mse_loss, opt)
+    blocks = cc.repeated_blocks(model)
+    assert len(blocks) == 2 and all(b._compiled_call_impl is not None for b in blocks)
+    g = torch.Generator().manual_seed(1)
+    per = 8 // world
+    for _ in range(STEPS):
+        x, y = torch.randn(8, 5, 64, generator=g), torch.randn(8, 5, 64, generator=g)
+        step(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _stack_worker(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=TIMEOUT)
+    try:
+        torch.save(_stack_train(nn.parallel.DistributedDataParallel(_stack()), rank, world), f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_process(tmp_path):
+    """cc.compile_step(DDP(model), ...) at its defaults finds the layers inside the wrapper and compiles them
+    one by one; two processes end with identical parameters, those of one process on the whole batch."""
+    out = str(tmp_path / "stack")
+    mp.spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    assert all(torch.equal(p, q) for p, q in zip(a, b))
+    torch._dynamo.reset()
+    single = _stack_train(_stack())
+    for p, q in zip(a, single):
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7
+    torch._dynamo.reset()
