@@ -10,7 +10,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Measurement", "compare", "format_flat_rows"]
+from comera_compile import networks
+from comera_compile.tt import TTSpec, gemm_spec
+
+__all__ = ["Measurement", "compare", "format_flat_rows", "eager_step", "fixed_order_plan"]
 
 
 @dataclass
@@ -65,3 +68,11 @@ def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module)
         return loss.detach()
     return step
 
+
+
+def fixed_order_plan(spec: TTSpec, rows: int, input_requires_grad: bool = True) -> networks.Plan:
+    """A TT linear layer's plan in the reference implementation's fixed order (networks.reference_tree), at
+    the GEMM-padded ranks the layer runs at, so only the order differs from the searched plan."""
+    padded = gemm_spec(spec)
+    net = networks.tt_linear_network(padded, int(rows), input_requires_grad)
+    return networks.plan_from_tree(net, networks.reference_tree(padded))

@@ -28,17 +28,15 @@ import comera_compile as cc
 from comera_compile import networks
 from comera_compile.backend import comera_backend
 from comera_compile.examples import six_encoder
-from comera_compile.tt import TTSpec, constant_under_compile, gemm_spec
+from comera_compile.tt import TTSpec, constant_under_compile
 
-from .common import compare, eager_step
+from .common import compare, eager_step, fixed_order_plan
 
 __all__ = ["run", "format_rows", "fixed_order", "first_call_seconds"]
 
 
 def _fixed_program(spec: TTSpec, rows: int, training: bool = True, input_requires_grad: bool = True):
-    padded = gemm_spec(spec)
-    net = networks.tt_linear_network(padded, int(rows), input_requires_grad)
-    return networks.plan_from_tree(net, networks.reference_tree(padded)).program
+    return fixed_order_plan(spec, rows, input_requires_grad).program
 
 
 @constant_under_compile

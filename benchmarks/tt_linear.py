@@ -14,15 +14,9 @@ from torch import nn
 from comera_compile import networks as nw
 from comera_compile.layers import TTLinear
 
-from .common import compare
+from .common import compare, fixed_order_plan
 
 __all__ = ["run"]
-
-
-def _fixed_order(layer: TTLinear, rows: int) -> nw.Plan:
-    spec = layer.gemm_spec   # the ranks TTLinear runs at, so only the order differs
-    net = nw.tt_linear_network(spec, rows)
-    return nw.plan_from_tree(net, nw.reference_tree(spec))
 
 
 def run(quick: bool = False) -> list[dict]:
@@ -36,7 +30,7 @@ def run(quick: bool = False) -> list[dict]:
     for rows in rows_list:
         x = torch.randn(rows, 768, requires_grad=True)
         grad = torch.randn(rows, 3072)  # the upstream gradient a training step would bring
-        fixed = _fixed_order(tt, rows)
+        fixed = fixed_order_plan(tt.spec, rows)
 
         def run_dense():
             dense(x).backward(grad)

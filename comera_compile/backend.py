@@ -86,10 +86,10 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
                    options: dict[str, Any] | None = None) -> Callable:
     """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
     opts = _check_options(options)
-    if _devices(example_inputs) == {"cpu"}:
-        _warm_cpu_compiler_early()
-        if opts["keep_memory"]:
-            keep_freed_memory()
+    devices = _devices(example_inputs)
+    on_cpu = devices == {"cpu"}
+    if on_cpu and opts["keep_memory"]:
+        keep_freed_memory()
     if opts["contraction"]:
         from comera_compile.passes.fx.contraction import expand_contractions
 
@@ -106,9 +106,11 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from comera_compile.passes.fx.materialize import materialize_int_casts
 
         materialize_int_casts(gm, example_inputs)
+    if on_cpu:
+        _warm_cpu_compiler_early()
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_config(_devices(example_inputs), mode, options))
+    return compile_fx(gm, example_inputs, config_patches=inductor_config(devices, mode, options))
 
 
 _WARM_KERNEL = ('#include <torch/csrc/inductor/cpp_prefix.h>\n'
