@@ -3,8 +3,10 @@ processes (gloo, CPU, rendezvous on 127.0.0.1) exactly like one process on the s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
+from typing import Iterator
 
 import pytest
 import torch
@@ -41,17 +43,24 @@ def _train(model: nn.Module, xs, ys, rank: int = 0, world: int = 1) -> list[torc
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+@contextlib.contextmanager
+def _process_group(rank: int, world: int, port: int) -> Iterator[None]:
+    """One thread, a gloo group on 127.0.0.1 for the block, destroyed after it."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=TIMEOUT)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    with _process_group(rank, world, port):
         model = nn.parallel.DistributedDataParallel(_model())
         xs, ys = _data()
         params = _train(model, xs, ys, rank, world)
         torch.save(params, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -174,13 +183,8 @@ def _stack_train(model: nn.Module, rank: int = 0, world: int = 1) -> list[torch.
 
 
 def _stack_worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=TIMEOUT)
-    try:
+    with _process_group(rank, world, port):
         torch.save(_stack_train(nn.parallel.DistributedDataParallel(_stack()), rank, world), f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
