@@ -341,7 +341,7 @@ def test_backend_recomputes_the_masks_instead_of_saving_them():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_recompute_pass_tags_only_the_mask_computation():
+def test_recompute_pass_tags_the_mask_and_the_forward_dropout_output_only():
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import must_recompute
 
@@ -351,11 +351,44 @@ def test_recompute_pass_tags_only_the_mask_computation():
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         recompute_hash_masks(joint.graph)
-        tagged.update({n.name: n.meta["val"].dtype for n in joint.graph.nodes if must_recompute(n)})
+        tangents = [n for n in joint.graph.nodes if n.name.startswith("tangents")]
+        tagged.update({n.name: (n.meta["val"].dtype, any(t in n.all_input_nodes for t in tangents))
+                       for n in joint.graph.nodes if must_recompute(n)})
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     torch._dynamo.reset()
     f = torch.compile(lambda x: hash_dropout(x * 2.0, 0.5), backend=aot_autograd(fw_compiler=lambda g, _: g, partition_fn=partition))
     f(torch.randn(100, requires_grad=True)).sum().backward()
-    assert tagged and torch.bool in tagged.values()
-    assert all(not d.is_floating_point for d in tagged.values()), tagged
+    dtypes = [d for d, _ in tagged.values()]
+    assert torch.bool in dtypes
+    assert dtypes.count(torch.float32) == 2, tagged      # input x mask, then x scale; not x * 2.0
+    assert not any(uses_tangent for _, uses_tangent in tagged.values()), tagged
+
+
+def test_attention_dropout_output_is_recomputed_not_saved_and_gradients_match_eager():
+    """Attention's dropped probabilities feed the values' gradient.  Under backend "comera" the backward
+    recomputes them from the softmax it keeps anyway (one probabilities-sized tensor saved, not two), and
+    output and gradients equal eager hash_dropout's in float64 (fallback_random: the same words)."""
+    import comera_compile  # noqa: F401  (registers the backend)
+
+    def attend(s, v):
+        return hash_dropout(torch.softmax(s, -1), 0.1) @ v
+
+    torch._dynamo.reset()
+    s = torch.randn(4, 32, 32, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, 32, 8, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(4, 32, 8, dtype=torch.float64)
+    compiled = torch.compile(attend, backend="comera")
+    with torch._inductor.config.patch(fallback_random=True):
+        torch.manual_seed(3)
+        got, saved = _saved_tensors(compiled, s, v)
+        got.backward(upstream)
+        grads = s.grad.clone(), v.grad.clone()
+        s.grad = v.grad = None
+        torch.manual_seed(3)
+        want = attend(s, v)
+        want.backward(upstream)
+    assert [n for d, n in saved if d == torch.float64 and n == s.numel()] == [s.numel()], saved
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], s.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[1], v.grad, rtol=1e-12, atol=1e-12)

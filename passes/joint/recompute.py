@@ -1,4 +1,5 @@
-"""Inductor joint-graph pass: hash-dropout masks recomputed in the backward instead of saved."""
+"""Inductor joint-graph pass: hash-dropout masks, and the dropouts' outputs, recomputed in the backward
+instead of saved."""
 
 from __future__ import annotations
 
@@ -18,14 +19,35 @@ def _integral(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
 
 
+def _pointwise(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            and torch.Tag.pointwise in node.target.tags)
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes of a joint graph that depend on a tangent (the backward's)."""
+    todo = [n for n in graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
+    seen: set[torch.fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.users)
+    return seen
+
+
 def recompute_hash_masks(graph: torch.fx.Graph) -> int:
     """Tag the integer/bool nodes of every hash-dropout mask in a joint forward-backward graph
     MUST_RECOMPUTE, so AOTAutograd's partitioner saves the two random words for the backward and
-    recomputes the mask there instead of saving it; returns how many nodes were tagged.
+    recomputes the mask there instead of saving it; and tag the dropout's output too (the forward's
+    input x mask x scale), so that when the backward needs it (attention's dropped probabilities, for the
+    gradient of the values) it is recomputed from the input, which the backward mostly keeps anyway (the
+    softmax's gradient needs it).  Returns how many nodes were tagged.
 
     Recomputing costs a few integer operations per element inside a kernel the backward runs anyway; a
     saved mask costs a byte per element of memory and, on CPU, Inductor's bool stores are slow (about
-    10 ns per element, several times the cost of the rest of the dropout's kernel)."""
+    10 ns per element, several times the cost of the rest of the dropout's kernel).  A saved output costs
+    four bytes per element: attention's probabilities are a batch x heads x sequence^2 tensor per layer."""
     words = [n for n in graph.nodes
              if n.op == "call_function" and n.target is OPAQUE_COPY and _integral(n)]
     tagged: set[torch.fx.Node] = set()
@@ -45,9 +67,21 @@ def recompute_hash_masks(graph: torch.fx.Graph) -> int:
             continue
         tagged.add(node)
         todo.extend(node.all_input_nodes)
-    for node in tagged:
+    backward = _backward_nodes(graph)
+    outputs: set[torch.fx.Node] = set()
+    todo = [u for n in tagged for u in n.users if u not in backward]
+    while todo:                                   # the forward's float products with the mask, and scale
+        node = todo.pop()
+        if node in tagged or node in outputs or node in backward or _integral(node) or not _pointwise(node):
+            continue
+        inputs = node.all_input_nodes
+        if not any(a in tagged or a in outputs for a in inputs) or len(inputs) > 2:
+            continue
+        outputs.add(node)
+        todo.extend(u for u in node.users if len(u.all_input_nodes) == 1)
+    for node in tagged | outputs:
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(tagged)
+    return len(tagged) + len(outputs)
 
 
 class RecomputeHashMasks(CustomGraphPass):
@@ -57,4 +91,4 @@ class RecomputeHashMasks(CustomGraphPass):
         recompute_hash_masks(graph)
 
     def uuid(self) -> str:
-        return "comera.passes.joint.recompute.recompute_hash_masks/1"
+        return "comera.passes.joint.recompute.recompute_hash_masks/2"
