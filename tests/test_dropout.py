@@ -366,29 +366,37 @@ def test_recompute_pass_tags_the_mask_and_the_forward_dropout_output_only():
 
 
 def test_attention_dropout_output_is_recomputed_not_saved_and_gradients_match_eager():
-    """Attention's dropped probabilities feed the values' gradient.  Under backend "comera" the backward
-    recomputes them from the softmax it keeps anyway (one probabilities-sized tensor saved, not two), and
-    output and gradients equal eager hash_dropout's in float64 (fallback_random: the same words)."""
+    """Attention's dropped probabilities feed the values' gradient.  Under backend "comera" output and
+    gradients equal eager hash_dropout's in float64 (fallback_random: the same words), and in an encoder
+    the backward recomputes the dropped probabilities from the scores it keeps anyway: one
+    probabilities-sized tensor saved per layer, not two."""
     import comera_compile  # noqa: F401  (registers the backend)
 
-    def attend(s, v):
-        return hash_dropout(torch.softmax(s, -1), 0.1) @ v
+    def attend(q, k, v):
+        return hash_dropout(torch.softmax(q @ k.transpose(1, 2), -1), 0.1) @ v
 
     torch._dynamo.reset()
-    s = torch.randn(4, 32, 32, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(4, 32, 8, dtype=torch.float64, requires_grad=True)
+    q, k, v = (torch.randn(4, 32, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
     upstream = torch.randn(4, 32, 8, dtype=torch.float64)
     compiled = torch.compile(attend, backend="comera")
     with torch._inductor.config.patch(fallback_random=True):
         torch.manual_seed(3)
-        got, saved = _saved_tensors(compiled, s, v)
+        got, saved = _saved_tensors(compiled, q, k, v)
         got.backward(upstream)
-        grads = s.grad.clone(), v.grad.clone()
-        s.grad = v.grad = None
+        grads = [t.grad.clone() for t in (q, k, v)]
         torch.manual_seed(3)
-        want = attend(s, v)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        want = attend(*leaves)
         want.backward(upstream)
-    assert [n for d, n in saved if d == torch.float64 and n == s.numel()] == [s.numel()], saved
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grads[0], s.grad, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grads[1], v.grad, rtol=1e-12, atol=1e-12)
+    for g, leaf in zip(grads, leaves):
+        torch.testing.assert_close(g, leaf.grad, rtol=1e-12, atol=1e-12)
+
+    from comera_compile.examples import six_encoder
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)   # 2 x 4 heads x 16^2 probabilities per layer; no other tensor has 2,048 elements
+    model = six_encoder.build(layers=2, d_model=48, heads=4, ffn=256, vocab_size=100, max_positions=32)
+    f = torch.compile(lambda *a: model(*a).square().sum(), backend="comera")
+    _, saved = _saved_tensors(f, *six_encoder.example_inputs(model, 2, 16))
+    assert [n for d, n in saved if n == 2 * 4 * 16 * 16] == [2048, 2048], saved   # the scores, per layer
