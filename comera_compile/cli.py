@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--json", metavar="PATH", default=None, help="also write every figure to this JSON file")
     b.add_argument("--only", nargs="+", metavar="NAME", default=None,
                    help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
-                        "six_encoder_step, galore)")
+                        "six_encoder_step, galore; and, only when named, ra_control: rank adaptation against "
+                        "a model built at its final ranks, about 30 minutes)")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     args = parser.parse_args(argv)
     if args.command == "inspect":

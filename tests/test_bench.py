@@ -34,6 +34,40 @@ def test_bench_cli_rejects_unknown_benchmark():
 
 def test_suite_lists_installed_benchmarks():
     assert {"tt_linear", "six_encoder_step", "galore"} <= set(suite.available())
+    assert "ra_control" not in suite.available() and "ra_control" in suite.available(opt_in=True)
+
+
+def test_ra_control_trains_three_models_and_builds_the_control_at_adapts_ranks():
+    """The control is the adapted model's architecture from a fresh start: a model built at given ranks has
+    exactly those ranks, the TT parameter count they imply, and runs; the benchmark's three runs report
+    their sizes (no adaptation keeps its size) and held-out figures."""
+    from comera_compile.benchmarks import ra_control
+    from comera_compile.examples import code_mlm
+    from comera_compile.optim import tt_layers
+
+    cfg = code_mlm.DemoConfig(size="tiny", minutes=None, steps=4, max_bytes=40_000, vocab_size=300,
+                              eval_blocks=8, compile=False, progress=False)
+    _, model = code_mlm.build_models(cfg, 300)
+    layers = tt_layers(model)
+    ranks = {name: (1, *(max(1, r // (2 + k % 2)) for k, r in enumerate(m.spec.ranks[1:-1])), 1)
+             for name, m in layers.items()}
+    ra_control._build_at_ranks(model, ranks, seed=0)
+    for name, m in tt_layers(model).items():
+        assert m.spec.ranks == ranks[name]
+        sizes = (*m.spec.in_modes, *m.spec.out_modes)
+        r = ranks[name]
+        assert m.tt_params() == sum(r[k] * n * r[k + 1] for k, n in enumerate(sizes)) + sum(r[1:-1])
+    ids = torch.randint(0, 300, (2, cfg.seq_len))
+    assert model(ids, torch.arange(cfg.seq_len).expand(2, -1)).shape == (2, cfg.seq_len, 300)
+
+    rows = ra_control.run(steps=4, size="tiny", max_bytes=40_000, vocab_size=300, eval_blocks=8, compile=False)
+    by = {r["run"]: r for r in rows}
+    assert set(by) == {"adapt", "fixed", "final"}
+    assert by["fixed"]["tt_end"] == by["fixed"]["tt_start"]
+    assert by["final"]["tt_end"] == by["adapt"]["tt_end"] and by["final"]["ranks"] == by["adapt"]["ranks"]
+    for r in rows:
+        assert 0 <= r["accuracy"] <= 1 and r["loss"] > 0 and r["masked_tokens"] > 0
+    assert "built at adapt's final ranks" in ra_control.format_rows(rows)
 
 
 def test_persistent_bytes_counts_parameters_and_adam_state():
