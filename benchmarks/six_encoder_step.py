@@ -122,10 +122,15 @@ def _first_call(batch: int, seq: int, layers: int) -> float:
 
 def first_call_seconds(batch: int = 8, seq: int = 128, layers: int = 6) -> dict[str, float]:
     """Seconds of the compiled step's first call (compile included), each in a fresh process at this
-    process's thread count: 'cold' with an empty Inductor cache, 'warm' with the cache the cold run left."""
+    process's thread count: 'cold' with empty caches, as on a machine that never compiled before, 'warm'
+    with the caches the cold run left.  Empty means a fresh Inductor cache directory and a fresh temporary
+    directory: Inductor keeps its precompiled kernel header under the temporary directory's default cache,
+    whatever TORCHINDUCTOR_CACHE_DIR says."""
     out = {}
     with tempfile.TemporaryDirectory(prefix="comera-bench-cache-") as cache:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        tmp = os.path.join(cache, "tmp")
+        os.makedirs(tmp)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache, "inductor"), "TMPDIR": tmp}
         for kind in ("cold", "warm"):
             cmd = [sys.executable, "-m", __name__, "--first-call", "--batch", str(batch), "--seq", str(seq),
                    "--layers", str(layers), "--threads", str(torch.get_num_threads())]
