@@ -19,9 +19,13 @@ def _integral(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex())
 
 
-def _pointwise(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-            and torch.Tag.pointwise in node.target.tags)
+# The ops of input x mask x scale as AOTAutograd traces hash_dropout (a cast where the mask is converted).
+_PRODUCT_OPS = (torch.ops.aten.mul.Tensor, torch.ops.aten.mul.Scalar, torch.ops.prims.convert_element_type.default,
+                torch.ops.aten._to_copy.default)
+
+
+def _product(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target in _PRODUCT_OPS
 
 
 def _backward_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -40,9 +44,9 @@ def recompute_hash_masks(graph: torch.fx.Graph) -> int:
     """Tag the integer/bool nodes of every hash-dropout mask in a joint forward-backward graph
     MUST_RECOMPUTE, so AOTAutograd's partitioner saves the two random words for the backward and
     recomputes the mask there instead of saving it; and tag the dropout's output too (the forward's
-    input x mask x scale), so that when the backward needs it (attention's dropped probabilities, for the
-    gradient of the values) it is recomputed from the input, which the backward mostly keeps anyway (the
-    softmax's gradient needs it).  Returns how many nodes were tagged.
+    input x mask x scale, nothing computed from it), so that when the backward needs it (attention's
+    dropped probabilities, for the gradient of the values) it is recomputed from the input, which the
+    backward mostly keeps anyway (the softmax's gradient needs it).  Returns how many nodes were tagged.
 
     Recomputing costs a few integer operations per element inside a kernel the backward runs anyway; a
     saved mask costs a byte per element of memory and, on CPU, Inductor's bool stores are slow (about
@@ -72,7 +76,7 @@ def recompute_hash_masks(graph: torch.fx.Graph) -> int:
     todo = [u for n in tagged for u in n.users if u not in backward]
     while todo:                                   # the forward's float products with the mask, and scale
         node = todo.pop()
-        if node in tagged or node in outputs or node in backward or _integral(node) or not _pointwise(node):
+        if node in tagged or node in outputs or node in backward or _integral(node) or not _product(node):
             continue
         inputs = node.all_input_nodes
         if not any(a in tagged or a in outputs for a in inputs) or len(inputs) > 2:
@@ -91,4 +95,4 @@ class RecomputeHashMasks(CustomGraphPass):
         recompute_hash_masks(graph)
 
     def uuid(self) -> str:
-        return "comera.passes.joint.recompute.recompute_hash_masks/2"
+        return "comera.passes.joint.recompute.recompute_hash_masks/3"
