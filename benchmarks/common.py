@@ -69,7 +69,6 @@ def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module)
     return step
 
 
-
 def fixed_order_plan(spec: TTSpec, rows: int, input_requires_grad: bool = True) -> networks.Plan:
     """A TT linear layer's plan in the reference implementation's fixed order (networks.reference_tree), at
     the GEMM-padded ranks the layer runs at, so only the order differs from the searched plan."""
