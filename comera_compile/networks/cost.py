@@ -2,17 +2,19 @@
 
 A pairwise contraction costs its FLOPs plus TRAFFIC_WEIGHT per element of its two operands and its result.
 Training runs it once forward and once more per operand needing a gradient (dA = dC . B costs what
-C = A . B costs).  The exact search, the greedy fallback, plans and the embedding lookup planner all cost
+C = A . B costs).  Where the network's input (the tensor holding the row index) must be permuted before its
+GEMM, because the indices it keeps and those it sums interleave, the copy is charged too.  The exact search, the greedy fallback, plans and the embedding lookup planner all cost
 through contraction_cost, so their numbers agree on the same tree.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Container
 
 from .network import Network, Tree, pairwise_flops
 
-__all__ = ["TRAFFIC_WEIGHT", "contraction_cost", "tree_cost"]
+__all__ = ["TRAFFIC_WEIGHT", "contraction_cost", "input_permuted", "copy_cost", "tree_cost"]
 
 # FLOPs charged per element read or written: on these CPUs a GEMM runs about 16 FLOPs in the time memory
 # moves one float, so narrow GEMMs over big activations (small ranks) are not as cheap as their FLOPs say.
@@ -26,6 +28,21 @@ def contraction_cost(a_size: int, b_size: int, out_size: int, flops: int, grads:
     of the `grads` operands (0, 1 or 2) that need a gradient."""
     mult = 1 + (grads if training else 0)
     return (flops + TRAFFIC_WEIGHT * (a_size + b_size + out_size)) * mult
+
+
+def input_permuted(indices: str, kept: Container[str]) -> bool:
+    """Whether a tensor with these indices must be copied into another order before its GEMM: the indices
+    it keeps and those it sums interleave (three or more runs), so no reshape of it is a matrix.  Decided
+    by the tensor's own index order and the result's index set alone, which keeps the subset search exact."""
+    runs = sum(1 for k, c in enumerate(indices) if k == 0 or (c in kept) != (indices[k - 1] in kept))
+    return runs > 2
+
+
+def copy_cost(elements: int, requires_grad: bool, training: bool) -> int:
+    """The cost of permuting the network's input of this many elements before its contraction: a read and a
+    write per element, and when training with an input needing a gradient, the same again for the
+    gradient's way back."""
+    return TRAFFIC_WEIGHT * 2 * elements * (1 + (requires_grad if training else 0))
 
 
 def tree_cost(net: Network, tree: Tree, training: bool = True) -> int:
@@ -49,6 +66,10 @@ def tree_cost(net: Network, tree: Tree, training: bool = True) -> int:
             keep = net.needed_outside(members)
             out = "".join(c for c in dict.fromkeys(a + b) if c in keep)
         step = contraction_cost(size(a), size(b), size(out), pairwise_flops(a, b, out, sizes), ga + gb, training)
+        if net.input_position in (t[0], t[1]):
+            x = net.tensors[net.input_position]
+            if input_permuted(x.indices, out):
+                step += copy_cost(size(x.indices), x.requires_grad, training)
         return out, ga or gb, members, ca + cb + step
 
     return visit(tree)[3]

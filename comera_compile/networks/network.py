@@ -47,6 +47,13 @@ class Network:
     def size_of(self) -> dict[str, int]:
         return dict(self.sizes)
 
+    @property
+    def input_position(self) -> int | None:
+        """The position of the network's input: the one tensor holding the row index (None when no tensor or
+        several do, as in a lookup, whose rows index is a hyperedge)."""
+        holders = [k for k, t in enumerate(self.tensors) if self.rows_index and self.rows_index in t.indices]
+        return holders[0] if len(holders) == 1 else None
+
     def needed_outside(self, members: frozenset[int]) -> set[str]:
         """The indices an intermediate of the tensors at positions `members` must keep: the output's and
         those of every tensor outside it."""

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .cost import contraction_cost
+from .cost import contraction_cost, copy_cost, input_permuted
 from .network import Network, Tree, pairwise_flops
 
 __all__ = ["Step", "Plan", "Operand", "Recipe", "Contraction", "Program", "plan_from_tree", "contract_pair",
@@ -62,7 +62,9 @@ Program = Tuple[Contraction, ...]
 @dataclass(frozen=True)
 class Step:
     """One pairwise contraction of a plan: its einsum equation, forward FLOPs, how many of its operands need
-    a gradient, the element counts of its operands and result, and the recipe contract_pair runs."""
+    a gradient, the element counts of its operands and result, and the recipe contract_pair runs; copied:
+    elements of the network's input permuted first (cost.input_permuted), copied_grad: whether that input
+    needs a gradient."""
 
     equation: str
     flops: int
@@ -72,6 +74,8 @@ class Step:
     out_size: int
     per_row: bool
     recipe: Recipe
+    copied: int = 0
+    copied_grad: bool = False
 
     @property
     def train_flops(self) -> int:
@@ -79,7 +83,8 @@ class Step:
         return self.flops * (1 + self.grads)
 
     def cost(self, training: bool = True) -> int:
-        return contraction_cost(self.a_size, self.b_size, self.out_size, self.flops, self.grads, training)
+        copy = copy_cost(self.copied, self.copied_grad, training) if self.copied else 0
+        return contraction_cost(self.a_size, self.b_size, self.out_size, self.flops, self.grads, training) + copy
 
 
 @dataclass(frozen=True)
@@ -181,8 +186,12 @@ def plan_from_tree(net: Network, tree: Tree) -> Plan:
         grads = sum(any(tensors[m].requires_grad for m in side) for side in (left, right))
         eq = f"{a},{b}->{out}"
         recipe = _recipe(eq, net.sizes, size(a) >= size(b), net.rows_index)
+        copied, copied_grad = 0, False
+        xk = net.input_position
+        if xk in (t[0], t[1]) and input_permuted(tensors[xk].indices, out):
+            copied, copied_grad = size(tensors[xk].indices), tensors[xk].requires_grad
         steps.append(Step(eq, pairwise_flops(a, b, out, sizes), grads, size(a), size(b), size(out), per_row_of[t],
-                          recipe))
+                          recipe, copied, copied_grad))
         path.append((i, j))
         for k in sorted((i, j), reverse=True):
             ops.pop(k)
