@@ -28,9 +28,10 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                            "kernels (ops.hash_dropout) instead of a per-element draw from torch's generator: same "
                            "distribution, different bits, several times cheaper; the backward recomputes "
                            "the masks from two saved words instead of saving them"),
-    "recompute_gelu": (True, "the backward recomputes each exact GELU's output from its input (which the GELU's "
-                             "gradient keeps anyway) instead of saving both: one activation of the FFN's width "
-                             "less per layer, for one more GELU in the backward (passes.joint.recompute)"),
+    "recompute_materialized": (True, "AOTAutograd's partitioner may recompute a cheap pointwise result in the "
+                                     "backward even where the backward needs it materialized, e.g. a LayerNorm's "
+                                     "output that the next layer's weight gradient reads (functorch's "
+                                     "ban_recompute_materialized_backward off): less memory kept for backward"),
     "materialize_casts": (True, "integer -> float casts (attention masks) computed once into a buffer "
                                 "(passes.fx.materialize) instead of inside every kernel they are broadcast into"),
     "keep_memory": (True, "on CPU inputs, call keep_freed_memory(): glibc's malloc keeps freed buffers for the "
@@ -48,8 +49,8 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
         raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
-    flags = ("cudagraphs", "contraction", "fast_dropout", "recompute_gelu", "materialize_casts", "keep_memory",
-             "memory")
+    flags = ("cudagraphs", "contraction", "fast_dropout", "recompute_materialized", "materialize_casts",
+             "keep_memory", "memory")
     if not all(isinstance(out[k], bool) for k in flags):
         raise TypeError(f"options {', '.join(repr(k) for k in flags)} take True or False")
     if not isinstance(out["inductor"], dict):
@@ -65,9 +66,8 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     """The Inductor config patches the backend passes for inputs on these device types.
 
     CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps).  The
-    torch.compile mode's own settings come first, options' 'inductor' patches next; the joint-graph passes
-    of passes.joint.recompute (with fast_dropout, the masks'; with recompute_gelu, GELU's) are appended to any
-    joint_custom_pre_pass already set."""
+    torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
+    mask-recompute joint-graph pass is appended to any joint_custom_pre_pass already set."""
     opts = _check_options(options)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -76,16 +76,14 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
         patches.update(list_mode_options(mode))
     patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and "cuda" in devices)
     patches.update(opts["inductor"])
-    if opts["fast_dropout"] or opts["recompute_gelu"]:
+    if opts["fast_dropout"]:
         from torch._inductor import config as inductor
 
-        from comera_compile.passes.joint.recompute import RecomputeGelu, RecomputeHashMasks
+        from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
         user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
         user = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
-        mine = [RecomputeHashMasks()] if opts["fast_dropout"] else []
-        mine += [RecomputeGelu()] if opts["recompute_gelu"] else []
-        patches["joint_custom_pre_pass"] = [*user, *mine]
+        patches["joint_custom_pre_pass"] = [*user, RecomputeHashMasks()]
     return patches
 
 
@@ -115,9 +113,12 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         materialize_int_casts(gm, example_inputs)
     if on_cpu:
         _warm_cpu_compiler_early()
+    from torch._functorch import config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_config(devices, mode, options))
+    # AOTAutograd partitions the joint graph inside this call, under this setting.
+    with functorch_config.patch(ban_recompute_materialized_backward=not opts["recompute_materialized"]):
+        return compile_fx(gm, example_inputs, config_patches=inductor_config(devices, mode, options))
 
 
 _WARM_KERNEL = ('#include <torch/csrc/inductor/cpp_prefix.h>\n'

@@ -1,9 +1,7 @@
-"""Inductor joint-graph passes: what the backward recomputes instead of saving.  recompute_hash_masks:
-hash-dropout masks and the dropouts' outputs; recompute_gelu: GELU outputs."""
+"""Inductor joint-graph pass: hash-dropout masks, and the dropouts' outputs, recomputed in the backward
+instead of saved."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.fx
@@ -13,7 +11,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from comera_compile.ops.materialize import OPAQUE_COPY
 from comera_compile.passes import node_value
 
-__all__ = ["recompute_hash_masks", "RecomputeHashMasks", "recompute_gelu", "RecomputeGelu"]
+__all__ = ["recompute_hash_masks", "RecomputeHashMasks"]
 
 
 def _integral(node: torch.fx.Node) -> bool:
@@ -98,86 +96,3 @@ class RecomputeHashMasks(CustomGraphPass):
 
     def uuid(self) -> str:
         return "comera.passes.joint.recompute.recompute_hash_masks/3"
-
-
-_aten = torch.ops.aten
-# Ops that only re-lay out a tensor: a GELU output reshaped or permuted for the next GEMM is recomputed with it.
-_LAYOUT_OPS = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default, _aten.permute.default,
-               _aten.transpose.int, _aten.t.default, _aten.clone.default)
-
-
-def _scalar_mul(node: torch.fx.Node, value: float) -> torch.fx.Node | None:
-    """The tensor operand of node when node is aten.mul(tensor, value), else None."""
-    if node.op == "call_function" and node.target is _aten.mul.Tensor and len(node.args) == 2:
-        a, b = node.args
-        if isinstance(b, float) and math.isclose(b, value) and isinstance(a, torch.fx.Node):
-            return a
-    return None
-
-
-def _gelu_nodes(erf: torch.fx.Node) -> list[torch.fx.Node] | None:
-    """The nodes of an exact GELU around this erf, as the decomposition writes it: x * 0.5 * (1 + erf(x /
-    sqrt(2))), i.e. mul(mul(x, 0.5), add(erf(mul(x, M_SQRT1_2)), 1)); None when erf is not part of one."""
-    x = _scalar_mul(erf.args[0], math.sqrt(0.5))
-    if x is None or len(erf.users) != 1:
-        return None
-    (add,) = erf.users
-    if add.target is not _aten.add.Tensor or add.args[1] != 1 or len(add.users) != 1:
-        return None
-    (out,) = add.users
-    if out.target is not _aten.mul.Tensor or len(out.args) != 2 or add not in out.args:
-        return None
-    half = out.args[1] if out.args[0] is add else out.args[0]
-    if not isinstance(half, torch.fx.Node) or _scalar_mul(half, 0.5) is not x:
-        return None
-    return [erf.args[0], erf, add, half, out]
-
-
-def _exact_gelu(node: torch.fx.Node) -> bool:
-    return (node.op == "call_function" and node.target is _aten.gelu.default
-            and node.kwargs.get("approximate", "none") == "none")
-
-
-def recompute_gelu(graph: torch.fx.Graph) -> int:
-    """Tag the forward's exact GELUs in a joint forward-backward graph MUST_RECOMPUTE (aten.gelu, or its
-    decomposition as Inductor's joint graph holds it), with the reshapes and
-    permutes of their outputs, so AOTAutograd's partitioner saves each GELU's input only and the backward
-    recomputes the output from it.  Returns how many nodes were tagged.
-
-    A GELU between two linear layers (a transformer's FFN) otherwise saves both its input, which its own
-    gradient needs, and its output, which the next layer's weight gradient needs: two activations of the
-    FFN's width per layer.  Recomputing the output costs one more GELU in the backward, about what a save and
-    a load of it cost on CPU.  The tanh approximation is left alone."""
-    backward = _backward_nodes(graph)
-    tagged: list[torch.fx.Node] = []
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node in backward:
-            continue
-        if _exact_gelu(node):
-            gelu = [node]
-        elif node.target is _aten.erf.default:
-            gelu = _gelu_nodes(node)
-        else:
-            continue
-        if gelu is None or any(n in backward for n in gelu):
-            continue
-        todo = [gelu[-1]]
-        while todo:
-            for user in todo.pop().users:
-                if user.op == "call_function" and user.target in _LAYOUT_OPS and user not in backward:
-                    gelu.append(user)
-                    todo.append(user)
-        tagged.extend(gelu)
-    for node in tagged:
-        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return len(tagged)
-
-
-class RecomputeGelu(CustomGraphPass):
-    """recompute_gelu as an Inductor joint-graph pass (config ``joint_custom_pre_pass``)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        recompute_gelu(graph)
-
-    def uuid(self) -> str:
-        return "comera.passes.joint.recompute.recompute_gelu/1"
