@@ -3,18 +3,19 @@
 A pairwise contraction costs its FLOPs plus TRAFFIC_WEIGHT per element of its two operands and its result.
 Training runs it once forward and once more per operand needing a gradient (dA = dC . B costs what
 C = A . B costs).  Where the network's input (the tensor holding the row index) must be permuted before its
-GEMM, because the indices it keeps and those it sums interleave, the copy is charged too.  The exact search, the greedy fallback, plans and the embedding lookup planner all cost
-through contraction_cost, so their numbers agree on the same tree.
+GEMM, because the indices it keeps and those it sums interleave, the copy is charged too (input_copy,
+copy_cost).  The exact search, the greedy fallback, plans and the embedding lookup planner all cost through
+these functions, so their numbers agree on the same tree.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Container
+from typing import Container, Sequence
 
 from .network import Network, Tree, pairwise_flops
 
-__all__ = ["TRAFFIC_WEIGHT", "contraction_cost", "input_permuted", "copy_cost", "tree_cost"]
+__all__ = ["TRAFFIC_WEIGHT", "contraction_cost", "input_permuted", "input_copy", "copy_cost", "tree_cost"]
 
 # FLOPs charged per element read or written: on these CPUs a GEMM runs about 16 FLOPs in the time memory
 # moves one float, so narrow GEMMs over big activations (small ranks) are not as cheap as their FLOPs say.
@@ -36,6 +37,16 @@ def input_permuted(indices: str, kept: Container[str]) -> bool:
     by the tensor's own index order and the result's index set alone, which keeps the subset search exact."""
     runs = sum(1 for k, c in enumerate(indices) if k == 0 or (c in kept) != (indices[k - 1] in kept))
     return runs > 2
+
+
+def input_copy(net: Network, children: Sequence[Tree], kept: Container[str]) -> tuple[int, bool]:
+    """(elements, needs a gradient) of the network's input when it is one of a contraction's two children and
+    must be permuted for it (input_permuted, given the indices the result keeps); (0, False) otherwise."""
+    k = net.input_position
+    if k is None or k not in children or not input_permuted(net.tensors[k].indices, kept):
+        return 0, False
+    x = net.tensors[k]
+    return math.prod(net.size_of[c] for c in x.indices), x.requires_grad
 
 
 def copy_cost(elements: int, requires_grad: bool, training: bool) -> int:
@@ -66,10 +77,7 @@ def tree_cost(net: Network, tree: Tree, training: bool = True) -> int:
             keep = net.needed_outside(members)
             out = "".join(c for c in dict.fromkeys(a + b) if c in keep)
         step = contraction_cost(size(a), size(b), size(out), pairwise_flops(a, b, out, sizes), ga + gb, training)
-        if net.input_position in (t[0], t[1]):
-            x = net.tensors[net.input_position]
-            if input_permuted(x.indices, out):
-                step += copy_cost(size(x.indices), x.requires_grad, training)
+        step += copy_cost(*input_copy(net, t, out), training)
         return out, ga or gb, members, ca + cb + step
 
     return visit(tree)[3]

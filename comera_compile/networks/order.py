@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 import opt_einsum
 
 from ..tt import TTSpec
-from .cost import contraction_cost, copy_cost, input_permuted, tree_cost
+from .cost import contraction_cost, copy_cost, input_copy, tree_cost
 from .network import Network, Tree, einsum_network, pairwise_flops, tt_linear_network
 from .plan import Plan, plan_from_tree
 
@@ -84,14 +84,9 @@ def optimal_tree(net: Network, training: bool = True) -> tuple[Tree, int]:
             size_cache[mask] = v
         return v
 
-    # The input's permute charge depends only on which of its indices a split keeps (cost.input_permuted).
-    xk = net.input_position
-    x_bit = -1 if xk is None else 1 << xk
-    x = None if xk is None else net.tensors[xk]
-
-    def input_copy(out: int) -> int:
-        kept = {c for c in x.indices if bit[c] & out}
-        return copy_cost(size(tensor_bits[xk]), x.requires_grad, training) if input_permuted(x.indices, kept) else 0
+    # The input's copy charge depends only on which of its indices a split keeps (cost.input_permuted).
+    x_bit = -1 if net.input_position is None else 1 << net.input_position
+    x_letters = [] if net.input_position is None else net.tensors[net.input_position].indices
 
     connected_only = n > EXACT_ALL_SUBSETS
     best: dict[int, tuple[int, int, Tree]] = {}  # subset -> (cost, memory, tree)
@@ -117,7 +112,8 @@ def optimal_tree(net: Network, training: bool = True) -> tuple[Tree, int]:
                         step = contraction_cost(size(operand[sub]), size(operand[other]), size(out), flops,
                                                 grad[sub] + grad[other], training)
                         if sub == x_bit or other == x_bit:
-                            step += input_copy(out)
+                            kept_x = {c for c in x_letters if bit[c] & out}
+                            step += copy_cost(*input_copy(net, (t1, t2), kept_x), training)
                         cost = c1 + c2 + step
                         mem = m1 + m2 + (size(out) if s != full else 0)
                         if cand is None or (cost, mem) < (cand[0], cand[1]):
@@ -137,7 +133,6 @@ def greedy_tree(net: Network, training: bool = True) -> Tree:
     def size(indices: str) -> int:
         return math.prod(sizes[c] for c in indices)
 
-    xk = net.input_position
     items: list[tuple[str, Tree, bool]] = [(t.indices, i, t.requires_grad) for i, t in enumerate(net.tensors)]
     while len(items) > 1:
         best = None
@@ -148,8 +143,7 @@ def greedy_tree(net: Network, training: bool = True) -> Tree:
                 out = "".join(c for c in dict.fromkeys(a + b) if c in others)
                 cost = contraction_cost(size(a), size(b), size(out), pairwise_flops(a, b, out, sizes), ga + gb,
                                         training)
-                if xk in (items[x][1], items[y][1]) and input_permuted(net.tensors[xk].indices, out):
-                    cost += copy_cost(size(net.tensors[xk].indices), net.tensors[xk].requires_grad, training)
+                cost += copy_cost(*input_copy(net, (items[x][1], items[y][1]), out), training)
                 key = (not (set(a) & set(b)), cost)
                 if best is None or key < best[0]:
                     best = (key, x, y, out)

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .cost import contraction_cost, copy_cost, input_permuted
+from .cost import contraction_cost, copy_cost, input_copy
 from .network import Network, Tree, pairwise_flops
 
 __all__ = ["Step", "Plan", "Operand", "Recipe", "Contraction", "Program", "plan_from_tree", "contract_pair",
@@ -186,10 +186,7 @@ def plan_from_tree(net: Network, tree: Tree) -> Plan:
         grads = sum(any(tensors[m].requires_grad for m in side) for side in (left, right))
         eq = f"{a},{b}->{out}"
         recipe = _recipe(eq, net.sizes, size(a) >= size(b), net.rows_index)
-        copied, copied_grad = 0, False
-        xk = net.input_position
-        if xk in (t[0], t[1]) and input_permuted(tensors[xk].indices, out):
-            copied, copied_grad = size(tensors[xk].indices), tensors[xk].requires_grad
+        copied, copied_grad = input_copy(net, t, out)
         steps.append(Step(eq, pairwise_flops(a, b, out, sizes), grads, size(a), size(b), size(out), per_row_of[t],
                           recipe, copied, copied_grad))
         path.append((i, j))
