@@ -11,67 +11,48 @@ from torch import nn
 import comera_compile  # noqa: F401  (registers the backend)
 
 
-def _saved_numels(fn, *args) -> tuple[torch.Tensor, list[int]]:
-    saved: list[int] = []
-
-    def pack(t):
-        saved.append(t.numel())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn(*args)
-    return out, saved
-
-
-@pytest.mark.parametrize("rows", [5, 64])
-def test_ffn_saves_one_hidden_activation_less_with_eagers_gradients(rows):
-    """Linear -> GELU -> Linear under backend "comera" in float64: output and every gradient equal eager's,
-    and the compiled step keeps one rows x hidden tensor less than with recompute_materialized off."""
+def _kept_of_size(net: nn.Module, rows: int, numel: int) -> dict[bool, int]:
+    """Run net on a float64 batch of `rows` rows compiled with backend "comera", with recompute_materialized
+    on and off: check output and every gradient against eager's, and count the tensors of `numel` elements
+    the compiled forward keeps for backward, per setting."""
     torch.manual_seed(0)
-    hidden = 96
-    ffn = nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Linear(hidden, 16)).double()
     x = torch.randn(rows, 16, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(rows, 16, dtype=torch.float64)
-    want = ffn(x)
-    want.backward(upstream)
-    eager = [t.grad.clone() for t in (x, *ffn.parameters())]
-    hidden_saved = {}
-    for recompute in (True, False):
-        torch._dynamo.reset()
-        for t in (x, *ffn.parameters()):
-            t.grad = None
-        compiled = torch.compile(ffn, backend="comera", options={"recompute_materialized": recompute})
-        got, saved = _saved_numels(compiled, x)
-        got.backward(upstream)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        for g, t in zip(eager, (x, *ffn.parameters())):
-            torch.testing.assert_close(t.grad, g, rtol=1e-12, atol=1e-12)
-        hidden_saved[recompute] = saved.count(rows * hidden)
-    assert hidden_saved == {True: 1, False: 2}, hidden_saved        # GELU's input; and its output when saved
-
-
-def test_layer_norm_output_is_recomputed_for_the_next_weight_gradient_with_eagers_gradients():
-    """Linear -> LayerNorm -> Linear under backend "comera" in float64: output and gradients equal eager's,
-    and the step keeps one rows x width tensor less than with recompute_materialized off (the LayerNorm's
-    output, which the second layer's weight gradient reads, comes back from its input and statistics)."""
-    torch.manual_seed(0)
-    rows, width = 24, 40
-    net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.Linear(width, 16)).double()
-    x = torch.randn(rows, 16, dtype=torch.float64, requires_grad=True)
-    upstream = torch.randn(rows, 16, dtype=torch.float64)
+    leaves = (x, *net.parameters())
     want = net(x)
     want.backward(upstream)
-    eager = [t.grad.clone() for t in (x, *net.parameters())]
+    eager = [t.grad.clone() for t in leaves]
     kept = {}
     for recompute in (True, False):
         torch._dynamo.reset()
-        for t in (x, *net.parameters()):
+        for t in leaves:
             t.grad = None
         compiled = torch.compile(net, backend="comera", options={"recompute_materialized": recompute})
-        got, saved = _saved_numels(compiled, x)
+        sizes: list[int] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (sizes.append(t.numel()), t)[1], lambda t: t):
+            got = compiled(x)
         got.backward(upstream)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-        for g, t in zip(eager, (x, *net.parameters())):
+        for g, t in zip(eager, leaves):
             torch.testing.assert_close(t.grad, g, rtol=1e-12, atol=1e-12)
-        kept[recompute] = saved.count(rows * width)
+        kept[recompute] = sizes.count(numel)
+    return kept
+
+
+@pytest.mark.parametrize("rows", [5, 64])
+def test_ffn_keeps_one_hidden_activation_less_with_eagers_gradients(rows):
+    """Linear -> GELU -> Linear: the compiled step keeps GELU's input only, not its output too."""
+    torch.manual_seed(0)
+    hidden = 96
+    ffn = nn.Sequential(nn.Linear(16, hidden), nn.GELU(), nn.Linear(hidden, 16)).double()
+    assert _kept_of_size(ffn, rows, rows * hidden) == {True: 1, False: 2}
+
+
+def test_layer_norm_output_is_recomputed_for_the_next_weight_gradient_with_eagers_gradients():
+    """Linear -> LayerNorm -> Linear: the LayerNorm's output, which the second layer's weight gradient reads,
+    comes back from its input and row statistics instead of being kept."""
+    torch.manual_seed(0)
+    rows, width = 24, 40
+    net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.Linear(width, 16)).double()
+    kept = _kept_of_size(net, rows, rows * width)
     assert kept[True] == kept[False] - 1, kept
