@@ -83,8 +83,8 @@ class Step:
         return self.flops * (1 + self.grads)
 
     def cost(self, training: bool = True) -> int:
-        copy = copy_cost(self.copied, self.copied_grad, training) if self.copied else 0
-        return contraction_cost(self.a_size, self.b_size, self.out_size, self.flops, self.grads, training) + copy
+        return (contraction_cost(self.a_size, self.b_size, self.out_size, self.flops, self.grads, training)
+                + copy_cost(self.copied, self.copied_grad, training))
 
 
 @dataclass(frozen=True)
