@@ -12,13 +12,15 @@ import comera_compile  # noqa: F401  (registers the backend)
 
 
 def _kept_of_size(net: nn.Module, rows: int, numel: int) -> dict[bool, int]:
-    """Run net on a float64 batch of `rows` rows compiled with backend "comera", with recompute_materialized
-    on and off: check output and every gradient against eager's, and count the tensors of `numel` elements
+    """Run net on a float64 batch of `rows` rows compiled with backend "comera" at its defaults
+    (recompute_materialized on) and with the option off: check output and every gradient against eager's, and count the tensors of `numel` elements
     the compiled forward keeps for backward, per setting."""
     torch.manual_seed(0)
     x = torch.randn(rows, 16, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(rows, 16, dtype=torch.float64)
     leaves = (x, *net.parameters())
+    for t in leaves:
+        t.grad = None
     want = net(x)
     want.backward(upstream)
     eager = [t.grad.clone() for t in leaves]
@@ -27,7 +29,8 @@ def _kept_of_size(net: nn.Module, rows: int, numel: int) -> dict[bool, int]:
         torch._dynamo.reset()
         for t in leaves:
             t.grad = None
-        compiled = torch.compile(net, backend="comera", options={"recompute_materialized": recompute})
+        options = None if recompute else {"recompute_materialized": False}   # on: the backend's defaults
+        compiled = torch.compile(net, backend="comera", options=options)
         sizes: list[int] = []
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (sizes.append(t.numel()), t)[1], lambda t: t):
             got = compiled(x)
@@ -56,3 +59,16 @@ def test_layer_norm_output_is_recomputed_for_the_next_weight_gradient_with_eager
     net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.Linear(width, 16)).double()
     kept = _kept_of_size(net, rows, rows * width)
     assert kept[True] == kept[False] - 1, kept
+
+
+def test_transformer_encoder_at_the_backend_defaults_keeps_less_with_eagers_gradients():
+    """torch's own nn.TransformerEncoder (GELU, post-LayerNorm), compiled at the backend's defaults: output
+    and every gradient equal eager's, and it keeps one FFN-wide tensor per layer (GELU's input) where with
+    the option off it keeps two, and fewer model-wide ones."""
+    torch.manual_seed(0)
+    rows, width, ffn, layers = 24, 16, 64, 2
+    layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=ffn, dropout=0.0, activation="gelu")
+    enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).double()
+    assert _kept_of_size(enc, rows, rows * ffn) == {True: layers, False: 2 * layers}
+    model_wide = _kept_of_size(enc, rows, rows * width)
+    assert model_wide[True] < model_wide[False], model_wide
