@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import string
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable, Mapping, Sequence, Tuple, Union
 
 from ..tt import TTSpec
@@ -47,7 +48,7 @@ class Network:
     def size_of(self) -> dict[str, int]:
         return dict(self.sizes)
 
-    @property
+    @cached_property
     def input_position(self) -> int | None:
         """The position of the network's input: the one tensor holding the row index (None when no tensor or
         several do, as in a lookup, whose rows index is a hyperedge)."""
