@@ -111,40 +111,48 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
         from comera_compile.passes.fx.materialize import materialize_int_casts
 
         materialize_int_casts(gm, example_inputs)
-    if on_cpu:
-        _warm_cpu_compiler_early()
     from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor
     from torch._inductor.compile_fx import compile_fx
 
+    patches = inductor_config(devices, mode, options)
+    if on_cpu:
+        _warm_cpu_compiler_early(bool(patches.get("cpp_wrapper", inductor.cpp_wrapper)))
     # AOTAutograd partitions the joint graph inside this call, under this setting.
     with functorch_config.patch(ban_recompute_materialized_backward=not opts["recompute_materialized"]):
-        return compile_fx(gm, example_inputs, config_patches=inductor_config(devices, mode, options))
+        return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 _WARM_KERNEL = ('#include <torch/csrc/inductor/cpp_prefix.h>\n'
                 'extern "C" void kernel(float* out_ptr0) { out_ptr0[0] = 0.0f; }\n')
 
 
-def _warm_cpu_compiler() -> None:
+def _warm_cpu_compiler(cpp_wrapper: bool) -> None:
     from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CppWrapperCodeCache
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
     try:
         valid_vec_isa_list()
-        AsyncCompile().cpp_pybinding(["float*"], _WARM_KERNEL)
+        if cpp_wrapper:   # loading the module would build it; asking for it builds only its header
+            CppWrapperCodeCache.load_async(_WARM_KERNEL, "cpu", needs_vec_isa=True)
+        else:
+            AsyncCompile().cpp_pybinding(["float*"], _WARM_KERNEL)
     except Exception:  # a head start only: Inductor's own build reports any real failure
         pass
 
 
 @functools.cache
-def _warm_cpu_compiler_early() -> None:
-    """Start, on a thread, what Inductor's first CPU kernel waits for on a cold cache: its once-per-process
-    check of the CPU's vector ISAs (a test library built and loaded, about 2 s) and the precompiled kernel
-    header (about 2 s more), by building a one-line kernel the way generated code does.  Both then run
-    while AOTAutograd traces the graph; Inductor finds them cached."""
+def _warm_cpu_compiler_early(cpp_wrapper: bool) -> None:
+    """Start, on a thread, what Inductor's first CPU graph waits for on a cold cache: its once-per-process
+    check of the CPU's vector ISAs (a test library built and loaded, about 2 s) and the precompiled header
+    of the code it generates (about 6 s more): the kernels' header, by building a one-line kernel the way
+    generated code does, or with Inductor's C++ wrapper (cpp_wrapper) the wrapper's header, a different
+    one.  Both then run while AOTAutograd traces the graph; Inductor finds them cached."""
     import threading
 
-    threading.Thread(target=_warm_cpu_compiler, name="comera-warm-cpu-compiler", daemon=True).start()
+    threading.Thread(target=_warm_cpu_compiler, args=(cpp_wrapper,), name="comera-warm-cpu-compiler",
+                     daemon=True).start()
 
 
 def register() -> None:

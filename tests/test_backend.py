@@ -151,6 +151,28 @@ def test_backend_warms_the_cpu_compiler_on_a_thread_once(monkeypatch):
     assert probed.wait(60) and threads.count("comera-warm-cpu-compiler") == 1
 
 
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
+def test_warm_thread_builds_the_header_the_generated_code_includes(monkeypatch, cpp_wrapper):
+    """Inductor's C++ wrapper includes another precompiled header than its Python wrapper's kernels: the
+    warm thread asks for the one the compile will use (the wrapper's with cpp_wrapper on, else a kernel's)."""
+    import torch._inductor.compile_fx as compile_fx
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.codecache import CppWrapperCodeCache
+
+    import comera_compile.backend as backend
+
+    asked = []
+    monkeypatch.setattr(CppWrapperCodeCache, "load_async", classmethod(lambda cls, *a, **k: asked.append("wrapper")))
+    monkeypatch.setattr(AsyncCompile, "cpp_pybinding", lambda self, *a, **k: asked.append("kernel"))
+    monkeypatch.setattr(backend, "_warm_cpu_compiler_early", backend._warm_cpu_compiler)   # on this thread
+    monkeypatch.setattr(compile_fx, "compile_fx", lambda gm, example_inputs, **kw: gm.forward)
+    gm = torch.fx.symbolic_trace(nn.Linear(4, 2))
+    options = {"inductor": {"cpp_wrapper": True}} if cpp_wrapper else None
+    with torch._inductor.config.patch(cpp_wrapper=False):
+        backend.comera_backend(gm, [torch.randn(3, 4)], options=options)
+    assert asked == (["wrapper"] if cpp_wrapper else ["kernel"])
+
+
 def test_mask_recompute_pass_joins_the_users_joint_passes():
     from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
