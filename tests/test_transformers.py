@@ -141,8 +141,16 @@ def _llama():
     return transformers.LlamaForCausalLM(cfg)
 
 
+def _vit():
+    cfg = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=128, num_labels=3)
+    return transformers.ViTForImageClassification(cfg)
+
+
 def _batch(name):
     g = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([0, 2])}
     ids = torch.randint(1, 211, (2, 9), generator=g)
     if name == "bert":
         return {"input_ids": ids, "labels": torch.tensor([0, 2])}
@@ -156,7 +164,8 @@ def _no_dropout(model):
     return model
 
 
-@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("t5", _t5), ("llama", _llama)])
+@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("t5", _t5), ("llama", _llama),
+                                         ("vit", _vit)])
 def test_family_trains_eager_and_compiled_and_round_trips(name, factory, tmp_path):
     """tensorize, a training step eager and one under backend "comera" (its logits those of eager at the same
     weights), then save_pretrained and cc.from_pretrained: identical logits; a dense from_pretrained of the
@@ -227,12 +236,12 @@ def test_transformer_encoder_trains_compiled_and_round_trips_through_state_dict(
 
 
 def _loss(name):
-    if name == "bert":
+    if name in ("bert", "vit"):
         return lambda out, y: torch.nn.functional.cross_entropy(out.logits, y)
     return lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("llama", _llama)])
+@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("llama", _llama), ("vit", _vit)])
 def test_compile_step_at_its_defaults_compiles_each_layer_once_trains_as_eager_and_honours_eval(name, factory):
     """cc.compile_step at its defaults (regional: the stacked layers compiled one by one) on transformers
     models: their layers are the repeated blocks, three SGD steps land where three eager steps do, and
@@ -247,7 +256,7 @@ def test_compile_step_at_its_defaults_compiles_each_layer_once_trains_as_eager_a
         return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
 
     batch = _batch(name)
-    args = (batch["input_ids"], batch["labels"])
+    args = tuple(batch.values())   # the model's input, then the labels
     eager, eager_opt = make()
     for _ in range(3):
         _loss(name)(eager(args[0]), args[1]).backward()
