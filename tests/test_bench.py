@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from comera_compile import cli
@@ -67,7 +70,32 @@ def test_ra_control_trains_three_models_and_builds_the_control_at_adapts_ranks()
     assert by["final"]["tt_end"] == by["adapt"]["tt_end"] and by["final"]["ranks"] == by["adapt"]["ranks"]
     for r in rows:
         assert 0 <= r["accuracy"] <= 1 and r["loss"] > 0 and r["masked_tokens"] > 0
-    assert "built at adapt's final ranks" in ra_control.format_rows(rows)
+        assert "tokens" not in r  # the per-token scores stay out of the JSON report
+    # paired on the same tokens, the mean difference is the difference of the runs' own means
+    for key, other in (("vs_fixed", by["fixed"]), ("vs_control", by["final"])):
+        d = by["adapt"][key]
+        assert d["accuracy"] == pytest.approx(by["adapt"]["accuracy"] - other["accuracy"], abs=1e-12)
+        assert d["loss"] == pytest.approx(by["adapt"]["loss"] - other["loss"], abs=1e-9)
+        assert d["loss_se"] > 0 and d["accuracy_se"] >= 0
+    text = ra_control.format_rows(rows)
+    assert "built at adapt's final ranks" in text and "adapt - control" in text
+
+
+@given(st.lists(st.floats(-10, 10), min_size=4, max_size=40), st.integers(1, 4))
+def test_paired_difference_matches_the_textbook_standard_errors(values, size):
+    """One observation per cluster: the standard error of a mean (unbiased std / sqrt(n)); equal clusters of
+    `size`: the standard error over the cluster means."""
+    from comera_compile.benchmarks.ra_control import paired_difference
+
+    d = torch.tensor(values, dtype=torch.float64)
+    d = d[: len(d) // size * size]
+    if len(d) < 2 * size:
+        return
+    b = torch.zeros_like(d)
+    mean, se = paired_difference(d, b, torch.arange(len(d)) // size)
+    means = np.asarray(values[: len(d)]).reshape(-1, size).mean(axis=1)
+    assert mean == pytest.approx(float(np.mean(values[: len(d)])), abs=1e-9)
+    assert se == pytest.approx(float(np.std(means, ddof=1) / np.sqrt(len(means))), rel=1e-9, abs=1e-12)
 
 
 def test_persistent_bytes_counts_parameters_and_adam_state():
