@@ -224,7 +224,7 @@ class RankAdaptive:
             for name, layer in self.layers.items():
                 self._importance[name] = balance(layer)
         gates = [g for layer in self.layers.values() for g in layer.gates]
-        if shrinking:  # soft-threshold every gate by gamma x its lr, as one multi-tensor op per stage
+        if shrinking:  # shrink every gate by gamma x its lr x the penalty's pull, as multi-tensor ops
             lrs = self._gate_lrs()
             magnitude = torch._foreach_abs(gates)
             steps = [self.gamma * lrs.get(id(g), self.prox_lr) for g in gates]
