@@ -163,7 +163,8 @@ class TTEmbedding(TTLayer):
             return torch.bmm(left.index_select(0, ia), right.index_select(0, ib))
 
         ops = []
-        for a, b, how in groups:
+        for group in groups:   # fields by name: dynamo of torch 2.11/2.12 cannot unpack a constant NamedTuple
+            a, b, how = group.first, group.stop, group.how
             d = digits(a, b, idx)
             if b - a == 1:
                 t = row_major(a).index_select(0, d)

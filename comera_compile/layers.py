@@ -17,7 +17,7 @@ from torch import nn
 from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
-__all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype"]
+__all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting"]
 
 # A gate entry below this (in absolute value) counts as switched off.  RankAdaptive's proximal step drives
 # unneeded gates to exactly zero, while a needed direction that is still being learned can sit far below 1%
@@ -28,6 +28,16 @@ _INITS = ("random", "svd")
 
 # The row count whose plan serves row counts unknown at trace time (exported programs, symbolic batches).
 EXPORT_ROWS = 4096
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing: ``torch.compiler.is_exporting()``, read so that every release's dynamo
+    sees the truth.  Dynamo of torch 2.11 and 2.12 folds that call to True under any torch.compile; where
+    torch keeps the flag it returns (``torch.compiler._is_exporting_flag``, set by torch.export alone), the
+    flag is read instead, which dynamo reads as a plain module global (feature detection, not a version
+    check)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def check_init(init: str) -> None:
@@ -250,7 +260,7 @@ class TTLinear(TTLayer):
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
         x2 = x2.reshape(rows, *spec.in_modes)
         training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
-        if torch.compiler.is_exporting():
+        if exporting():
             # An exported program serves every row count: one plan (any plan computes the same product), no
             # guard on the row count.
             program = networks.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)

@@ -588,3 +588,20 @@ def test_autocast_gives_the_dtypes_of_the_layers_replaced(compiled):
         tol = 3e-2 if want.dtype == torch.bfloat16 else 1e-4
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
     torch._dynamo.reset()
+
+
+def test_exporting_is_true_under_torch_export_only():
+    """TT layers choose one plan for every row count only when torch.export traces them: layers.exporting()
+    reads True there, and False eagerly and under torch.compile (whose dynamo on torch 2.11/2.12 folds
+    torch.compiler.is_exporting() to True)."""
+    from comera_compile.layers import exporting
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            return x + float(exporting())
+
+    x = torch.zeros(2)
+    assert Probe()(x).tolist() == [0.0, 0.0]
+    assert torch.compile(Probe(), backend="eager", fullgraph=True)(x).tolist() == [0.0, 0.0]
+    assert torch.export.export(Probe(), (x,)).module()(x).tolist() == [1.0, 1.0]
+    torch._dynamo.reset()

@@ -70,6 +70,16 @@ def test_transformer_encoder_at_the_backend_defaults_keeps_less_with_eagers_grad
     rows, width, ffn, layers = 24, 16, 64, 2
     layer = nn.TransformerEncoderLayer(width, 4, dim_feedforward=ffn, dropout=0.0, activation="gelu")
     enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).double()
-    kept = _kept_sizes(enc, rows)
+    try:
+        kept = _kept_sizes(enc, rows)
+    except RuntimeError as e:   # is it torch's own Inductor (no comera pass) failing on this model?
+        torch._dynamo.reset()
+        x = torch.randn(rows, width, dtype=torch.float64, requires_grad=True)
+        try:
+            torch.compile(enc, backend="inductor")(x).sum().backward()
+        except RuntimeError as plain:
+            pytest.skip(f"torch {torch.__version__}'s own Inductor fails this float64 encoder's backward "
+                        f"too ({plain}); not a comera failure")
+        raise e
     assert [kept[on].count(rows * ffn) for on in (True, False)] == [layers, 2 * layers]
     assert kept[True].count(rows * width) < kept[False].count(rows * width), kept

@@ -23,7 +23,7 @@ from comera_compile.memory import SavedTensors
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout, dropout_mask
 from comera_compile.ops.bits import pack_bits, unpack_bits
-from comera_compile.ops.buffers import _REFCOUNTS
+from comera_compile.ops.buffers import _REFCOUNTS, boxing_supported
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 from tempo_helpers import SETTINGS, close, grads_of, same_mask_dropout
@@ -359,8 +359,10 @@ def test_input_gradient_takes_the_incoming_gradient_s_buffer_only_when_unshared(
     if shared:
         assert log["received"] != log["given"]
         assert torch.equal(kept[0], upstream)   # the held gradient is untouched
-    elif _REFCOUNTS:   # without the private refcount APIs gradients are never reused (always new)
+    elif _REFCOUNTS and boxing_supported():
         assert log["received"] == log["given"]
+    else:   # without boxed gradients (torch < 2.13) or the private refcount APIs: always a new buffer
+        assert log["received"] != log["given"]
 
 
 def test_one_upstream_gradient_shared_by_several_tempo_ops():
@@ -389,3 +391,23 @@ def test_one_upstream_gradient_shared_by_several_tempo_ops():
                    [a, b, c, d, w, bias], upstream)
     for x, y in zip(got, ref):
         close(x, y, torch.float64)
+
+
+@pytest.mark.parametrize("op", sorted(TEMPO_BOXED))
+def test_unboxed_fallback_gives_the_boxed_path_s_gradients_bit_for_bit(op, monkeypatch):
+    """Where torch cannot hand gradients boxed (2.11, 2.12: boxing_supported() is False) the Tempo ops take
+    them as plain arguments: the same input gradient, bit for bit, as the boxed path computes."""
+    import comera_compile.ops.buffers as buffers
+
+    if not buffers.boxing_supported():
+        pytest.skip(f"torch {torch.__version__} cannot hand gradients boxed: no boxed path to compare with")
+    tempo_fn, _ = TEMPO_BOXED[op]
+    x = torch.randn(6, 301, dtype=torch.float32)
+    upstream = torch.randn(6, 301, generator=torch.Generator().manual_seed(1))
+    grads = {}
+    for boxed in (True, False):
+        monkeypatch.setattr(buffers, "boxing_supported", lambda boxed=boxed: boxed)
+        leaf = x.clone().requires_grad_()
+        tempo_fn(leaf).backward(upstream.clone())
+        grads[boxed] = leaf.grad
+    assert torch.equal(grads[True], grads[False])

@@ -14,6 +14,7 @@ from torch import nn
 from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes, saved_bytes
 from comera_compile.ops.bit_dropout import dropout_mask
+from comera_compile.ops.buffers import boxing_supported
 from comera_compile.ops.tempo_modules import TempoDropout, TempoGELU, TempoLayerNorm
 from comera_compile.passes.fx.tempo import tempo_graph
 from comera_compile.passes.module.tempo import tempo, tempo_modules
@@ -88,8 +89,10 @@ def test_tempo_graph_saves_less_and_peaks_lower_than_eager():
 
     step(gm)()   # the GELU tables are built on first use, once per process: measure a later step
     # At this small size the pass's reusable scratch buffers are a visible part of the peak (measured
-    # 0.79 of eager in a fresh process, more after other tests): a clear margin, not a tight one.
-    assert peak_bytes(step(gm)) < 0.9 * peak_bytes(step(layer))
+    # 0.79 of eager in a fresh process, more after other tests): a clear margin, not a tight one.  Where
+    # torch cannot hand the gradient boxed (2.11, 2.12), GELU's backward writes a new gradient-sized buffer
+    # instead of reusing the incoming one: 0.91 of eager, measured (2 MiB more at this size).
+    assert peak_bytes(step(gm)) < (0.9 if boxing_supported() else 0.95) * peak_bytes(step(layer))
 
 
 def test_tempo_graph_recognises_functional_forms():

@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "may_box", "new_buffer_backward",
-           "boxed_variant"]
+__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
+           "new_buffer_backward", "boxed_variant"]
 
 
 FLOATS = (torch.float32, torch.float64)
@@ -103,10 +103,46 @@ def take_grad(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return grad, torch.empty_like(grad)
 
 
+_BOXING: list[bool] = []   # boxing_supported's answer, once found
+
+
+def boxing_supported() -> bool:
+    """Whether this torch's autograd hands a Function with ``boxed_grads_call = True`` its gradients as a
+    list it may take them from (torch 2.13 on).  Found by running one such backward on a one-element tensor
+    (feature detection, not a version check), once per process; where it is missing (2.11, 2.12) the Tempo
+    ops take their gradients as ordinary arguments and write the input gradient into a new buffer:
+    identical results, one more gradient-sized allocation at the backward's peak.  A probe that cannot run
+    where it is first asked (inside a tracing mode, say) answers False without settling the question."""
+    if _BOXING:
+        return _BOXING[0]
+    seen: list[type] = []
+
+    class _Probe(torch.autograd.Function):
+        boxed_grads_call = True
+
+        @staticmethod
+        def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, *grads):
+            seen.append(type(grads[0]))
+            return grads[0].pop() if isinstance(grads[0], list) else grads[0]
+
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros(1, device="cpu", requires_grad=True)
+            _Probe.apply(x).sum().backward()
+    except Exception:   # not here: do not box this time, and ask again next time
+        return False
+    _BOXING.append(seen == [list])
+    return _BOXING[0]
+
+
 def may_box() -> bool:
-    """Whether the Functions may take their gradients boxed (not under torch.compile or compiled autograd,
-    which do not support it)."""
-    if torch.compiler.is_compiling():
+    """Whether the Functions may take their gradients boxed: where torch supports it (boxing_supported), and
+    not under torch.compile or compiled autograd, which do not."""
+    if torch.compiler.is_compiling() or not boxing_supported():
         return False
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
     return not (ca is not None and getattr(ca, "compiled_autograd_enabled", False))
