@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 __all__ = ["comera_backend", "OPTIONS", "inductor_config", "compile_step", "register", "keep_freed_memory",
-           "repeated_blocks"]
+           "repeated_blocks", "CudaGraphCaptures"]
 
 # Every option the backend takes, with its default and what it does.
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -67,7 +67,8 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
 
     CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps).  The
     torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
-    mask-recompute joint-graph pass is appended to any joint_custom_pre_pass already set."""
+    mask-recompute joint-graph pass runs after any joint_custom_pre_pass already set (chained into one pass,
+    which every torch release takes)."""
     opts = _check_options(options)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -79,11 +80,11 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     if opts["fast_dropout"]:
         from torch._inductor import config as inductor
 
+        from comera_compile.passes.joint.chain import chain_joint_passes
         from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
         user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
-        user = list(user) if isinstance(user, (list, tuple)) else [] if user is None else [user]
-        patches["joint_custom_pre_pass"] = [*user, RecomputeHashMasks()]
+        patches["joint_custom_pre_pass"] = chain_joint_passes(user, RecomputeHashMasks())
     return patches
 
 
@@ -155,6 +156,46 @@ def _warm_cpu_compiler_early(cpp_wrapper: bool) -> None:
                      daemon=True).start()
 
 
+class CudaGraphCaptures:
+    """Counts CUDA Graph recordings while active: ``with CudaGraphCaptures() as c: ...; c.count``.
+
+    Every recording Inductor's CUDA Graph trees make (one per compiled graph and input shape; a rank
+    re-allocation or a new batch size records anew) begins with ``torch.cuda.CUDAGraph.capture_begin``, which
+    this wraps; a replay calls nothing of it.  ``skips`` is how many compiled graphs Inductor declined to
+    record since entering (its ``cudagraph_skips`` counter: CPU tensors, mutated inputs, ...); those run
+    without a graph.  Usable without a GPU (both stay 0)."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.utils import counters
+
+        self.count = 0
+        self._counters = counters["inductor"]
+        self._skips0 = self._counters["cudagraph_skips"]
+
+    @property
+    def skips(self) -> int:
+        return self._counters["cudagraph_skips"] - self._skips0
+
+    def __enter__(self) -> "CudaGraphCaptures":
+        graph_class = torch.cuda.CUDAGraph
+        self._saved = graph_class.__dict__.get("capture_begin")
+        original = graph_class.capture_begin
+
+        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return original(graph, *args, **kwargs)
+
+        graph_class.capture_begin = capture_begin
+        self._skips0 = self._counters["cudagraph_skips"]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._saved is None:
+            del torch.cuda.CUDAGraph.capture_begin
+        else:
+            torch.cuda.CUDAGraph.capture_begin = self._saved
+
+
 def register() -> None:
     """Make backend="comera" available.  When the package is installed, dynamo finds the backend through
     its torch_dynamo_backends entry point and registers it on first use (registering here as well would
@@ -212,9 +253,10 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 optimizer: torch.optim.Optimizer, *, backend: str = "comera", fullgraph: bool = False,
+                 optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
-                 keep_memory: bool = True, regional: bool = True) -> Callable[..., torch.Tensor]:
+                 keep_memory: bool = True, regional: bool = True, mode: str | None = None,
+                 autocast: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
     ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
@@ -234,14 +276,25 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     the whole-step compile's time here) and a rank re-allocation recompiles one block's graph.  The blocks
     stay compiled when the model is called outside the step.  regional=False, or a model without repeated
     blocks, compiles forward and loss as one graph: minutes for a deep model, a few percent faster per
-    step at small batches."""
-    kwargs = {"options": options} if options else {}
+    step at small batches.
+
+    mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
+    records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
+    ``torch.autocast`` on the model's device type, as mixed-precision training does; backward and the
+    optimizer step run outside it."""
+    kwargs: dict[str, Any] = {"options": options} if options else {}
+    if mode is not None:
+        kwargs["mode"] = mode
     if keep_memory and not any(p.is_cuda for p in model.parameters()):
         keep_freed_memory()
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
 
     def forward_loss(*args: Any) -> torch.Tensor:
         *inputs, target = args
-        return loss_fn(model(*inputs), target)
+        if autocast is None:
+            return loss_fn(model(*inputs), target)
+        with torch.autocast(device_type, dtype=autocast):
+            return loss_fn(model(*inputs), target)
 
     blocks = repeated_blocks(model) if regional else []
     if blocks:
