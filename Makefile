@@ -5,7 +5,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.comera-installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install test test-slow demo inspect bench bench-quick clean
+# make test-torch TORCH=2.15.0: the suite on another torch release, in a venv of its own outside the repo.
+TORCH ?=
+TORCH_VENVS ?= $(HOME)/.cache/comera-compile/venvs
+# make gpu-check: on a GPU machine, with its own python and torch (no venv, nothing downloaded).
+GPU_PYTHON ?= python3
+GPU_DEVICE ?= cuda
+GPU_REPORT ?= gpu-check
+
+.PHONY: install test test-slow test-device test-torch gpu-check demo inspect bench bench-quick clean
 
 install: $(STAMP)
 
@@ -17,6 +25,21 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
+
+test-device: $(STAMP)  # the tests marked cuda, their code paths on the CPU
+	$(PY) -m pytest -m cuda --device cpu -q
+
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=2.15.0 (a torch release from PyPI)"; exit 2; }
+	test -x $(TORCH_VENVS)/torch-$(TORCH)/bin/python || $(PYTHON) -m venv $(TORCH_VENVS)/torch-$(TORCH)
+	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)"
+	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pip install --quiet -e ".[test,examples,bench]"
+	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pytest -m "not slow" -q -p no:cacheprovider
+
+gpu-check:  # wheels in .whl/ (galore-torch, bitsandbytes, ...) are installed first, from disk
+	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
+	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m comera_compile.benchmarks.gpu_check --device $(GPU_DEVICE) --out $(GPU_REPORT)
 
 test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
 	$(PY) -m pytest -m slow -q || test $$? -eq 5
@@ -34,4 +57,4 @@ bench-quick: $(STAMP)
 	$(VENV)/bin/comera-compile bench --quick
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(GPU_REPORT)

@@ -29,9 +29,13 @@ class Measurement:
 
 
 def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: int = 10,
-            min_time: float = 0.0) -> dict[str, Measurement]:
+            min_time: float = 0.0, device: torch.device | str | None = None) -> dict[str, Measurement]:
     """Time each case `repeat` times after `warmup` calls, interleaving the cases so slow drifts of the
-    machine hit all of them alike.  A case is repeated within one sample until min_time has passed."""
+    machine hit all of them alike.  A case is repeated within one sample until min_time has passed.  On a
+    CUDA `device` every call ends with a synchronize, so the host clock sees the device's work."""
+    sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else None
+    if sync is not None:
+        cases = {name: (lambda fn=fn: (fn(), sync())) for name, fn in cases.items()}
     for fn in cases.values():
         for _ in range(warmup):
             fn()

@@ -65,7 +65,7 @@ def naive_lookup(layer: TTEmbedding, indices: torch.Tensor) -> torch.Tensor:
 
 
 def _stepper(forward, module: nn.Module, batches: list[torch.Tensor], grad: torch.Tensor):
-    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)  # the fastest AdamW on CPU, for all
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)  # the fastest AdamW, for all
     state = {"k": 0}
 
     def step():
@@ -78,24 +78,24 @@ def _stepper(forward, module: nn.Module, batches: list[torch.Tensor], grad: torc
     return step
 
 
-def _word_embedding(quick: bool) -> dict:
+def _word_embedding(quick: bool, device: torch.device) -> dict:
     torch.manual_seed(0)
     vocab, dim, shape = 30522, 768, (32, 128)
-    tt = TTEmbedding(vocab, dim, rank=32, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6))
-    naive = TTEmbedding(vocab, dim, rank=32, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6))
+    tt = TTEmbedding(vocab, dim, rank=32, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), device=device)
+    naive = TTEmbedding(vocab, dim, rank=32, row_modes=(16, 20, 10, 10), col_modes=(4, 4, 8, 6), device=device)
     naive.load_state_dict(tt.state_dict())
-    dense = nn.Embedding(vocab, dim)
-    batches = zipf_batches(vocab, shape, 8)
-    grad = torch.randn(*shape, dim)
+    dense = nn.Embedding(vocab, dim, device=device)
+    batches = [b.to(device) for b in zipf_batches(vocab, shape, 8)]
+    grad = torch.randn(*shape, dim, device=device)
     cases = {
         "dense": _stepper(dense, dense, batches, grad),
         "tt": _stepper(tt, tt, batches, grad),
         "naive": _stepper(lambda i: naive_lookup(naive, i), naive, batches, grad),
     }
-    m = compare(cases, warmup=2, repeat=5 if quick else 15)
+    m = compare(cases, warmup=2, repeat=5 if quick else 15, device=device)
     distinct = sum(int(torch.unique(b).numel()) for b in batches) / len(batches)
     return {
-        "benchmark": "word_embedding_30522x768_r32_step", "tokens": math.prod(shape),
+        "benchmark": "word_embedding_30522x768_r32_step", "device": device.type, "tokens": math.prod(shape),
         "distinct_per_batch": distinct, "plan": tt.plan(int(distinct)).describe(),
         "dense_ms": m["dense"].median * 1e3, "tt_ms": m["tt"].median * 1e3, "naive_ms": m["naive"].median * 1e3,
         "speedup_vs_naive": m["naive"].median / m["tt"].median,
@@ -104,12 +104,12 @@ def _word_embedding(quick: bool) -> dict:
     }
 
 
-def _big_table(quick: bool) -> dict:
+def _big_table(quick: bool, device: torch.device) -> dict:
     torch.manual_seed(0)
     vocab, dim, shape = 10_000_000, 128, (32, 128)
-    tt = TTEmbedding(vocab, dim, rank=32, row_modes=(250, 200, 200), col_modes=(8, 4, 4))
-    batches = zipf_batches(vocab, shape, 4, seed=1)
-    grad = torch.randn(*shape, dim)
+    tt = TTEmbedding(vocab, dim, rank=32, row_modes=(250, 200, 200), col_modes=(8, 4, 4), device=device)
+    batches = [b.to(device) for b in zipf_batches(vocab, shape, 4, seed=1)]
+    grad = torch.randn(*shape, dim, device=device)
     step = _stepper(tt, tt, batches, grad)
     peaks = []
     with PeakMemory() as mem:  # the first step creates AdamW's state: counted
@@ -118,10 +118,10 @@ def _big_table(quick: bool) -> dict:
             step()
             peaks.append(mem.peak)
         live_after = mem.current
-    m = compare({"tt": step}, warmup=1, repeat=3 if quick else 7)
+    m = compare({"tt": step}, warmup=1, repeat=3 if quick else 7, device=device)
     params = sum(p.numel() * p.element_size() for p in tt.parameters())
     return {
-        "benchmark": "table_10Mx128_r32_step", "tokens": math.prod(shape),
+        "benchmark": "table_10Mx128_r32_step", "device": device.type, "tokens": math.prod(shape),
         "dense_table_mb": vocab * dim * 4 / 2**20, "tt_params_mb": params / 2**20,
         "peak_step_mb": max(peaks) / 2**20, "peak_first_step_mb": peaks[0] / 2**20,
         "state_after_mb": live_after / 2**20, "step_ms": m["tt"].median * 1e3,
@@ -129,8 +129,8 @@ def _big_table(quick: bool) -> dict:
     }
 
 
-def run(quick: bool = False, threads: int | None = None) -> list[dict]:
-    """Rows of figures (medians, each baseline timed in the same run, interleaved).
+def run(quick: bool = False, threads: int | None = None, device: str | torch.device = "cpu") -> list[dict]:
+    """Rows of figures (medians, each baseline timed in the same run, interleaved), on `device`.
 
     threads: torch intra-op threads for every case, baselines included (None keeps the current setting).
     On a machine busy with other work, 1 gives steadier figures: OpenMP threads waiting for a descheduled
@@ -139,7 +139,8 @@ def run(quick: bool = False, threads: int | None = None) -> list[dict]:
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        rows = [_word_embedding(quick), _big_table(quick)]
+        device = torch.device(device)
+        rows = [_word_embedding(quick, device), _big_table(quick, device)]
     finally:
         torch.set_num_threads(before)
     for r in rows:

@@ -19,17 +19,21 @@ from .common import compare, fixed_order_plan
 __all__ = ["run"]
 
 
-def run(quick: bool = False) -> list[dict]:
-    """Rows of figures: per row count, medians of fwd+bwd for dense, TT (searched) and TT (fixed order)."""
+def run(quick: bool = False, device: str | torch.device = "cpu") -> list[dict]:
+    """Rows of figures: per row count, medians of fwd+bwd for dense, TT (searched) and TT (fixed order), on
+    `device` (on CUDA each call is timed to the end of its device work; more rows, as a GPU wants)."""
     torch.manual_seed(0)
+    device = torch.device(device)
     rows_list = [32, 1024] if quick else [1, 32, 128, 1024, 4096]
+    if device.type == "cuda" and not quick:
+        rows_list += [16384, 65536]
     repeat = 5 if quick else 15
-    dense = nn.Linear(768, 3072)
-    tt = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16))
+    dense = nn.Linear(768, 3072, device=device)
+    tt = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16), device=device)
     results = []
     for rows in rows_list:
-        x = torch.randn(rows, 768, requires_grad=True)
-        grad = torch.randn(rows, 3072)  # the upstream gradient a training step would bring
+        x = torch.randn(rows, 768, device=device, requires_grad=True)
+        grad = torch.randn(rows, 3072, device=device)  # the upstream gradient a training step would bring
         fixed = fixed_order_plan(tt.spec, rows)
 
         def run_dense():
@@ -45,10 +49,10 @@ def run(quick: bool = False) -> list[dict]:
             (y if fused else y + tt.bias).backward(grad)
 
         m = compare({"nn.Linear": run_dense, "TT searched": run_tt, "TT fixed order": run_fixed},
-                    repeat=repeat, min_time=0.02)
+                    repeat=repeat, min_time=0.02, device=device)
         plan = tt.plan(rows)
         results.append({
-            "benchmark": "tt_linear_768x3072_r30_fwd_bwd", "rows": rows,
+            "benchmark": "tt_linear_768x3072_r30_fwd_bwd", "rows": rows, "device": device.type,
             "dense_ms": m["nn.Linear"].median * 1e3, "tt_ms": m["TT searched"].median * 1e3,
             "fixed_order_ms": m["TT fixed order"].median * 1e3,
             "speedup_vs_dense": m["nn.Linear"].median / m["TT searched"].median,
@@ -58,7 +62,7 @@ def run(quick: bool = False) -> list[dict]:
         })
     # Planning cost: a cold search for one layer shape, and the cache hit for a second layer.
     nw.plan_tt_linear.cache_clear()
-    other = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16))
+    other = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16), device=device)
     t0 = time.perf_counter()
     tt.plan(777)
     cold = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from torch import nn
 __all__ = ["main"]
 
 EXAMPLES = ("six-encoder",)
+CUDA_DEMO_BATCH = 32   # demo --device cuda: the paper's MNLI batch, unless --batch says otherwise
 
 
 def _load_factory(spec: str) -> nn.Module:
@@ -79,7 +80,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     _set_threads("bench", args.threads)
     try:
-        run_suite(quick=args.quick, only=args.only, json_path=args.json)
+        run_suite(quick=args.quick, only=args.only, json_path=args.json, device=args.device)
     except ValueError as e:
         raise SystemExit(f"comera-compile bench: {e}") from e
     return 0
@@ -93,6 +94,8 @@ def _demo(args: argparse.Namespace) -> int:
         given["compile"] = False
     if args.no_progress:
         given["progress"] = False
+    if args.device == "cuda" and args.batch is None:
+        given["batch"] = CUDA_DEMO_BATCH   # a GPU wants more rows per step than the CPU default
     if args.steps is not None and args.minutes is None:
         given["minutes"] = None  # --steps alone: a step budget, not the preset's time budget with a step cap
     _set_threads("demo", args.threads)
@@ -106,7 +109,7 @@ def _demo(args: argparse.Namespace) -> int:
 # Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
 _DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
                  "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
-                 "dense_backend")
+                 "dense_backend", "device")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -156,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--dense-backend", choices=("inductor", "eager"), default=None,
                    help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "
                         f"(default {defaults.dense_backend})")
+    d.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help=f"where both models train (default cpu); cuda also makes --batch default to "
+                        f"{CUDA_DEMO_BATCH} and times each step to the end of its GPU work")
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -173,7 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", nargs="+", metavar="NAME", default=None,
                    help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
                         "six_encoder_step, galore; and, only when named, ra_control: rank adaptation against "
-                        "a model built at its final ranks, about 30 minutes)")
+                        "a model built at its final ranks, about 30 minutes; device_step: see --device)")
+    b.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="run the device suite on this device: TT linear, embeddings, and the six-encoder step at "
+                        "batch 1/8/32 x 128 in fp32 (TF32) and bf16 autocast against dense eager, dense "
+                        "torch.compile (CUDA Graphs), GaLore, CUDA Graphs off and the fixed order; cpu runs the "
+                        "same code paths at reduced sizes")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     args = parser.parse_args(argv)
     if args.command == "inspect":

@@ -86,6 +86,7 @@ class DemoConfig:
     late_stage_at: float = 0.5
     cut_every: int = 100  # RankAdaptive's rounding and switch-off check, in steps
     progress: bool = True
+    device: str = "cpu"  # "cuda": both models train on the GPU (comera-compile demo --device cuda)
 
     def model_size(self) -> ModelSize:
         if self.size not in SIZES:
@@ -119,6 +120,9 @@ class DemoConfig:
              f"--target-ratio must be in (0, 1], got {self.target_ratio}"),
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
             (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
+            (self.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {self.device!r}"),
+            (self.device != "cuda" or torch.cuda.is_available(),
+             "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
         ]
         for ok, message in checks:
             if not ok:
@@ -253,10 +257,13 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         raise DemoError(f"--out {str(out)!r} is a file; give a directory (created if missing)")
     data, corpus, corpus_info = prepare_data(cfg, log)
     dense, tt = build_models(cfg, data.vocab_size)
+    dense, tt = dense.to(cfg.device), tt.to(cfg.device)
+    data.heldout = [tuple(t.to(cfg.device) for t in b) for b in data.heldout]
     dense_encoder, dense_total = encoder_params(dense), total_params(dense)
     budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
     log(f"model: size {cfg.size!r} {asdict(cfg.model_size())}; encoder {dense_encoder:,} dense parameters, "
-        f"{encoder_params(tt):,} as TT; budget {budget} per model, {torch.get_num_threads()} thread(s)")
+        f"{encoder_params(tt):,} as TT; budget {budget} per model, "
+        + (torch.cuda.get_device_name(cfg.device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)"))
     runs: dict[str, dict[str, Any]] = {}
     runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder)
     del dense  # its memory is not the CoMERA run's
@@ -270,6 +277,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         "corpus": corpus_info,
         "dense_params": {"encoder": dense_encoder, "model": dense_total},
         "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(cfg.device) if cfg.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "runs": runs,
     }

@@ -120,6 +120,10 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
 
     comera = name == "comera"
     ra = None
+    device = next(model.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     if comera:
         opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
         ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, cut_every=cfg.cut_every, optimizer=opt)
@@ -169,9 +173,10 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     step = 0
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
-        inputs, positions, labels = next(stream)
+        inputs, positions, labels = (t.to(device, non_blocking=True) for t in next(stream))
         if first_batch is None:
             first_batch = (inputs, positions, labels)
+        sync()
         t0 = time.perf_counter()
         task = _task_loss(model, inputs, positions, labels, data.vocab_size)
         loss = ra.loss(task) if ra is not None else task
@@ -180,6 +185,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         opt.zero_grad(set_to_none=True)
         sched.step()
         reallocated = ra.step() if ra is not None else False
+        sync()   # on CUDA the step's time is its device work's
         dt = time.perf_counter() - t0
         elapsed += dt
         if compiling and backend is not None:
@@ -228,6 +234,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "compile_steps": [i + 1 for i in compile_steps],
         "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size),
         "peak_rss_bytes": rss_peak or None,
+        "device": str(device),
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "heldout_loss": evals[-1]["loss"],
         "heldout_accuracy": evals[-1]["accuracy"],
         "evals": evals,

@@ -1,16 +1,32 @@
-"""Shared test set-up: CUDA-only tests skip cleanly on machines without a GPU."""
+"""Shared test set-up: the tests marked ``cuda`` (tests/test_device.py and a few others) run on the device
+``--device`` names (default cuda, skipped cleanly where none is present; ``--device cpu`` runs their code
+paths on the CPU)."""
 
 import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cuda", choices=("cuda", "cpu"),
+                     help="device for the tests marked cuda: cuda (default; skipped when none is present) or "
+                          "cpu (their code paths on the CPU, where they exist there)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if config.getoption("--device") != "cuda" or torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA device; none is present")
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is present (pytest --device cpu runs the tier's "
+                                   "code paths on the CPU)")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def device(request) -> torch.device:
+    """The device of the tests marked cuda: ``--device`` (cuda means the current CUDA device)."""
+    name = request.config.getoption("--device")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 @pytest.fixture(scope="module")

@@ -155,3 +155,95 @@ def test_fixed_order_baseline_runs_the_reference_order_and_computes_the_same_pro
     torch.testing.assert_close(eager, dense)
     torch.testing.assert_close(compiled, dense)
     torch._dynamo.reset()
+
+
+# -- the device suite (comera-compile bench --device, make gpu-check) -----------------------------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")
+def test_bench_on_cuda_without_a_gpu_says_what_to_do():
+    with pytest.raises(SystemExit, match="no CUDA device.*--device cpu"):
+        cli.main(["bench", "--device", "cuda"])
+    from comera_compile.benchmarks import gpu_check
+
+    assert gpu_check.main(["--device", "cuda"]) == 2
+
+
+def test_bench_device_names_the_cpu_only_benchmarks():
+    with pytest.raises(SystemExit, match=r"\['memory_passes'\] run on the CPU only"):
+        cli.main(["bench", "--device", "cpu", "--only", "memory_passes"])
+
+
+def test_device_compare_interleaves_the_cases_and_reports_each_median():
+    from comera_compile.benchmarks.device_step import device_compare
+
+    calls = []
+    cases = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    ms = device_compare(cases, torch.device("cpu"), warmup=1, repeat=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3   # warm-up, then one of each per round
+    assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+
+
+def test_compile_step_under_bf16_autocast_matches_eager_autocast_steps():
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 5))
+    import copy
+
+    import comera_compile as cc
+
+    model = cc.tensorize(dense, rank=8, min_features=32)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(eager.parameters(), lr=0.1)
+    ref = []
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = eager(x)
+            loss = loss_fn(out, target)
+        assert out.dtype == torch.bfloat16
+        ref.append(float(loss.detach()))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    step = cc.compile_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), autocast=torch.bfloat16)
+    got = [float(step(x, target)) for _ in range(3)]
+    torch._dynamo.reset()
+    assert got == pytest.approx(ref, rel=2e-2)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.dtype == torch.float32
+        assert (p - q).norm() <= 2e-2 * q.norm() + 1e-4
+
+
+def test_gpu_check_report_shows_every_variant_and_ratio():
+    from comera_compile.benchmarks import gpu_check
+
+    row = {"benchmark": "device_step_cuda_bf16_b1x128_l6", "device": "NVIDIA H100", "precision": "bf16",
+           "dense eager first s": 1.0, "dense eager MiB": 900.0, "CoMERA first s": 30.0, "CoMERA MiB": 100.0,
+           "dense eager ms": 12.0, "CoMERA ms": 4.0, "CoMERA vs dense eager": 3.0}
+    report = {"date": "2026-11-24", "command": "x", "bench": {"device_step": {"rows": [row]}},
+              "machine": {"device": "NVIDIA H100", "torch": "2.11.0", "cuda": "13.0", "python": "3.12",
+                          "platform": "Linux"},
+              "tests": {"command": "pytest -m cuda", "returncode": 1, "seconds": 5.0, "passed": 3, "failed": 1,
+                        "errors": 0, "skipped": 0,
+                        "cases": [{"test": "test_x", "status": "failed", "message": "boom"}]}}
+    md = gpu_check.report_markdown(report)
+    assert "| CoMERA | 4.00 | 100.0 | 30.0 |" in md and "| dense eager | 12.00 | 900.0 | 1.0 |" in md
+    assert "CoMERA vs dense eager **3.00x**" in md
+    assert "3 passed, 1 failed" in md and "`test_x` boom" in md and "NVIDIA H100" in md
+
+
+@pytest.mark.slow
+def test_device_suite_runs_on_the_cpu(tmp_path):
+    """gpu_check's whole path on the CPU: the tier's tests, then the device suite at reduced sizes."""
+    from comera_compile.benchmarks import gpu_check
+
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["tests"]["failed"] == 0 and report["tests"]["passed"] > 0
+    assert set(report["bench"]) == {"tt_linear", "embeddings", "device_step"}
+    assert all("error" not in v for v in report["bench"].values())
+    rows = report["bench"]["device_step"]["rows"]
+    assert {r["precision"] for r in rows} == {"fp32", "bf16"}
+    assert all(r["CoMERA ms"] > 0 and r["dense compiled ms"] > 0 for r in rows)
+    assert "CoMERA vs dense compiled" in (tmp_path / "report.md").read_text()

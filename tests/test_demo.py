@@ -190,6 +190,14 @@ def test_bad_sizes_are_rejected_with_the_option_named(override, message):
         DemoConfig(**override).check()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")
+def test_demo_on_cuda_without_a_gpu_says_what_to_do(tmp_path):
+    with pytest.raises(DemoError, match="no CUDA device.*leave --device out"):
+        DemoConfig(device="cuda").check()
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        main(["demo", "--device", "cuda", "--out", str(tmp_path / "out"), "--no-progress"])
+
+
 def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out"), "--no-progress"])

@@ -1,0 +1,278 @@
+"""The six-encoder training step (the paper's shapes, r = 30, AdamW) on a chosen device -- CUDA by default --
+at batch 1, 8 and 32 x 128 (32: the paper's MNLI batch), in float32 (TF32 matmuls on CUDA) and under
+bfloat16 autocast.  Variants, all in one process:
+
+- dense eager;
+- dense under torch.compile (Inductor; mode "reduce-overhead" on CUDA, i.e. CUDA Graphs: the fair dense
+  baseline on a GPU), through the same cc.compile_step as CoMERA (regional blocks, optimizer compiled);
+- GaLore (dense + GaLore's AdamW, rank 128 projections of the encoder weights), eager;
+- CoMERA: tensorized, cc.compile_step with backend "comera" (CUDA Graphs on), then the same with CUDA
+  Graphs off (option cudagraphs=False), then the same with every TT linear layer contracted in the
+  reference implementation's fixed order.
+
+First, each variant alone: its first call (compiles included, in this process: later variants find
+Inductor's caches warmer) and its peak device memory over its first three steps (the steps that record
+CUDA Graphs, whose memory pool the replays reuse): torch.cuda.max_memory_allocated above what was
+allocated before, plus the variant's own parameters.  Then step times, interleaved across the variants,
+medians after warm-up, from CUDA events (on the CPU: the host clock).
+
+``comera-compile bench --device cuda`` runs this with the embedding and TT-linear benches; ``--device cpu``
+runs the same code paths at reduced sizes on the CPU (no memory figures there: CPU memory is not
+tracked by an allocator of torch's)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.examples import six_encoder
+
+from .six_encoder_step import _comera_fixed_order, _in_fixed_order
+
+__all__ = ["run", "format_rows", "device_compare", "step_peak_bytes", "precision", "PRECISIONS"]
+
+MIB = 2.0**20
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@contextlib.contextmanager
+def precision(name: str, device: torch.device) -> Iterator[torch.dtype | None]:
+    """fp32: float32 with TF32 matmuls on CUDA (torch.set_float32_matmul_precision("high")), as GPU training
+    runs float32; bf16: yields torch.bfloat16 for the steps' autocast.  Restores the setting after."""
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}; choose from {sorted(PRECISIONS)}")
+    before = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield PRECISIONS[name]
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_compare(cases: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 3,
+                   repeat: int = 10) -> dict[str, float]:
+    """Median milliseconds of each case, the cases interleaved, after `warmup` calls each: CUDA events
+    around each call on CUDA (device time, launch gaps included), the host clock after a synchronize
+    elsewhere."""
+    for fn in cases.values():
+        for _ in range(warmup):
+            fn()
+    _sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeat):
+        for name, fn in cases.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples[name].append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def step_peak_bytes(step: Callable[[], object], model: nn.Module, optimizer: torch.optim.Optimizer,
+                    device: torch.device, steps: int = 3) -> int:
+    """Peak device bytes of training `model` with `step`: the model's parameters, buffers and optimizer state
+    (each storage once), plus the most the steps allocate above that.  On CUDA the latter is
+    torch.cuda.max_memory_allocated over `steps` calls above what was allocated before them (the calls that
+    record CUDA Graphs included: their memory pool is what the replays reuse); elsewhere the peak live
+    tensor bytes of one call as comera_compile.memory tracks them (eager steps only: a compiled step's
+    kernels allocate out of its sight).  A first step runs unmeasured when the optimizer has no state yet."""
+    from comera_compile.memory import peak_bytes
+
+    from .galore import persistent_bytes
+
+    if not optimizer.state:
+        step()
+    gc.collect()
+    if device.type != "cuda":
+        return persistent_bytes(model, optimizer) + peak_bytes(step)
+    _sync(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return torch.cuda.max_memory_allocated(device) - base + persistent_bytes(model, optimizer)
+
+
+def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module, device_type: str,
+                dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
+    def step(*batch: torch.Tensor) -> torch.Tensor:
+        *inputs, target = batch
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galore: bool
+              ) -> dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tensor]]]:
+    """name -> (model, optimizer, step(*batch)) of every variant, built from one seed."""
+    from .galore import galore_optimizer
+
+    loss_fn = nn.CrossEntropyLoss()
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    dense = six_encoder.build(layers=layers).to(device)
+    out: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tensor]]] = {}
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def copy_of(m: nn.Module) -> nn.Module:
+        other = six_encoder.build(layers=layers).to(device)
+        other.load_state_dict(m.state_dict())
+        return other
+
+    opt = adamw(dense)
+    out["dense eager"] = (dense, opt, _eager_step(dense, opt, loss_fn, device.type, dtype))
+    compiled_dense = copy_of(dense)
+    opt = adamw(compiled_dense)
+    out["dense compiled"] = (compiled_dense, opt, cc.compile_step(
+        compiled_dense, loss_fn, opt, backend="inductor", mode="reduce-overhead" if cuda else None,
+        autocast=dtype))
+    if galore:
+        try:
+            import galore_torch  # noqa: F401  (it imports bitsandbytes too)
+        except Exception:
+            galore = False
+    if galore:
+        g = copy_of(dense)
+        opt = galore_optimizer(g)
+        out["GaLore"] = (g, opt, _eager_step(g, opt, loss_fn, device.type, dtype))
+
+    def tensorized() -> nn.Module:
+        return cc.tensorize(copy_of(dense), preset="comera-six-encoder", inplace=True)
+
+    for name, backend, options in (("CoMERA", "comera", None),
+                                   ("CoMERA, CUDA Graphs off", "comera", {"cudagraphs": False}),
+                                   ("CoMERA, fixed order", _comera_fixed_order, None)):
+        if name == "CoMERA, CUDA Graphs off" and not cuda:
+            continue   # the same graphs as "CoMERA" where there are no CUDA Graphs
+        m = tensorized()
+        opt = adamw(m)
+        step = cc.compile_step(m, loss_fn, opt, backend=backend, options=options, autocast=dtype)
+        out[name] = (m, opt, _in_fixed_order(step) if name.endswith("fixed order") else step)
+    return out
+
+
+def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_name: str, quick: bool,
+             galore: bool = True) -> dict[str, Any]:
+    """One row: every variant's first-call seconds, peak MiB and median step ms at one batch and precision."""
+    torch._dynamo.reset()
+    with precision(precision_name, device) as dtype:
+        variants = _variants(layers, device, dtype, galore)
+        any_model = next(iter(variants.values()))[0]
+        ids, seg, mask = (t.to(device) for t in six_encoder.example_inputs(any_model, batch=batch, seq=seq))
+        target = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(batch)).to(device)
+        args = (ids, seg, mask, target)
+        row: dict[str, Any] = {"benchmark": f"device_step_{device.type}_{precision_name}_b{batch}x{seq}_l{layers}",
+                               "device": _device_name(device), "precision": precision_name}
+        if galore and "GaLore" not in variants:
+            row["note"] = ("GaLore left out: galore_torch does not import here (pip install galore-torch, which "
+                           "needs bitsandbytes)")
+        for name, (model, opt, step) in variants.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            step(*args)
+            _sync(device)
+            row[f"{name} first s"] = time.perf_counter() - t0
+            if device.type == "cuda":
+                peak = step_peak_bytes(lambda s=step: s(*args), model, opt, device)
+                row[f"{name} MiB"] = peak / MIB
+        ms = device_compare({k: (lambda s=s: s(*args)) for k, (_, _, s) in variants.items()}, device,
+                            warmup=2, repeat=3 if quick else 20)
+        row.update({f"{k} ms": v for k, v in ms.items()})
+    comera = ms["CoMERA"]
+    row["CoMERA vs dense compiled"] = ms["dense compiled"] / comera
+    row["CoMERA vs dense eager"] = ms["dense eager"] / comera
+    if "GaLore" in ms:
+        row["CoMERA vs GaLore"] = ms["GaLore"] / comera
+        if "GaLore MiB" in row:
+            row["GaLore / CoMERA memory"] = row["GaLore MiB"] / row["CoMERA MiB"]
+    if "CoMERA, CUDA Graphs off" in ms:
+        row["CUDA Graphs on vs off"] = ms["CoMERA, CUDA Graphs off"] / comera
+    row["CoMERA vs fixed order"] = ms["CoMERA, fixed order"] / comera
+    row["dense params"] = sum(p.numel() for p in variants["dense eager"][0].parameters())
+    row["CoMERA params"] = sum(p.numel() for p in variants["CoMERA"][0].parameters())
+    del variants
+    gc.collect()
+    return row
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def resolve_device(name: str | torch.device) -> torch.device:
+    """A torch.device from --device, with a clear error where CUDA is asked for and absent."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible to torch "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}); "
+                         "use --device cpu to run the same code paths on the CPU")
+    return device
+
+
+def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple[int, ...] | None = None,
+        seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("fp32", "bf16")
+        ) -> list[dict]:
+    """A row per (precision, batch).  Defaults: on CUDA batches 1, 8, 32 x 128 and 6 layers (quick: 1 and 8,
+    2 layers); on the CPU batches 1 and 2 x 32, 1 layer (the code paths, not the paper's sizes)."""
+    device = resolve_device(device)
+    cuda = device.type == "cuda"
+    if batches is None:
+        batches = ((1, 8) if quick else (1, 8, 32)) if cuda else (1, 2)
+    seq = seq if seq is not None else (128 if cuda else 32)
+    layers = layers if layers is not None else ((2 if quick else 6) if cuda else 1)
+    return [step_row(b, seq, layers, device, p, quick or not cuda) for p in precisions for b in batches]
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = []
+    for r in rows:
+        names = [k[:-3] for k in r if k.endswith(" ms")]
+        lines.append(f"{r['benchmark']} on {r['device']}:")
+        for n in names:
+            mem = f", peak {r[n + ' MiB']:.1f} MiB" if f"{n} MiB" in r else ""
+            lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}, first call {r[n + ' first s']:.1f} s")
+        ratios = ", ".join(f"{k} {r[k]:.2f}x" for k in r if k.startswith(("CoMERA vs", "CUDA Graphs", "GaLore /")))
+        lines.append(f"  {ratios}; params {r['dense params']:,} -> {r['CoMERA params']:,}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    print(format_rows(run(quick=args.quick, device=args.device)))

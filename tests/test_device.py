@@ -1,0 +1,362 @@
+"""The GPU tier: what a user training on a CUDA device relies on, marked ``cuda``.
+
+By default these run on the first CUDA device and skip cleanly where there is none.  ``pytest -m cuda
+--device cpu`` (``make test-device``) runs the same code paths on the CPU wherever they exist there; the
+checks only CUDA has (CUDA Graph trees, ``torch.cuda.max_memory_allocated``, device-side asserts) skip
+with the reason.
+
+References are computed another way: TT layers against the dense product of their cores in float64 on the
+CPU (autograd through the dense weight for the gradients); embeddings against F.embedding of the dense
+table; the Tempo ops against the plain torch ops; compiled steps against eager steps; dropout masks against
+the gradient autograd sends through them.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.backend import CudaGraphCaptures
+from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
+from comera_compile.layers import TTLinear
+from comera_compile.optim import param_groups
+from helpers import perturb_gates, rel_err
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def needs_cuda(device: torch.device, what: str) -> None:
+    if device.type != "cuda":
+        pytest.skip(f"{what} exists only on CUDA (ran with --device {device.type})")
+
+
+def _dense_reference(layer: TTLinear, x: torch.Tensor, grad_out: torch.Tensor):
+    """y = x W^T + b and the gradients of <y, grad_out> for x, the cores, the gates and the bias, computed in
+    float64 on the CPU through the dense weight the cores represent."""
+    ref = copy.deepcopy(layer).to(device="cpu", dtype=torch.float64)
+    x64 = x.detach().to("cpu", torch.float64).requires_grad_()
+    y = x64 @ ref.to_dense().t() + ref.bias
+    params = [x64, *ref.cores, *ref.gates, ref.bias]
+    grads = torch.autograd.grad((y * grad_out.to("cpu", torch.float64)).sum(), params)
+    return y.detach(), grads
+
+
+def _tt_grads(layer: TTLinear, x: torch.Tensor, grad_out: torch.Tensor, autocast: torch.dtype | None = None):
+    x = x.detach().clone().requires_grad_()
+    with torch.autocast(x.device.type, dtype=autocast, enabled=autocast is not None):
+        y = layer(x)
+    params = [x, *layer.cores, *layer.gates, layer.bias]
+    return y, torch.autograd.grad((y.float() * grad_out).sum(), params)
+
+
+@pytest.mark.parametrize("shape", [(768, 3072, 30, 256), (100, 300, 12, 33)], ids=["ffn-up-r30", "padded"])
+def test_tt_linear_forward_backward_against_dense_fp32(device, shape):
+    fan_in, fan_out, rank, rows = shape
+    torch.manual_seed(0)
+    layer = TTLinear(fan_in, fan_out, rank=rank).to(device)
+    perturb_gates(layer)
+    x = torch.randn(rows, fan_in, device=device)
+    grad_out = torch.randn(rows, fan_out, device=device)
+    y, grads = _tt_grads(layer, x, grad_out)
+    y_ref, grads_ref = _dense_reference(layer, x, grad_out)
+    assert y.dtype == torch.float32 and y.device.type == device.type
+    assert rel_err(y.cpu(), y_ref) < 1e-5
+    for g, r in zip(grads, grads_ref):
+        assert rel_err(g.cpu(), r) < 1e-4
+
+
+def test_tt_linear_under_bf16_autocast(device):
+    """Under autocast to bfloat16 the layer computes and returns bfloat16 as nn.Linear does, with bf16-sized
+    errors against the float64 product; parameter gradients stay in the parameters' float32."""
+    torch.manual_seed(0)
+    layer = TTLinear(768, 3072, rank=30).to(device)
+    perturb_gates(layer)
+    dense = nn.Linear(768, 3072).to(device)
+    x = torch.randn(64, 768, device=device)
+    grad_out = torch.randn(64, 3072, device=device)
+    y, grads = _tt_grads(layer, x, grad_out, autocast=torch.bfloat16)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        assert dense(x).dtype == y.dtype == torch.bfloat16
+    y_ref, grads_ref = _dense_reference(layer, x, grad_out)
+    assert rel_err(y.float().cpu(), y_ref) < 2e-2
+    for g, r, p in zip(grads[1:], grads_ref[1:], [*layer.cores, *layer.gates, layer.bias]):
+        assert g.dtype == p.dtype == torch.float32
+        assert rel_err(g.cpu(), r) < 3e-2
+
+
+@pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag], ids=["embedding", "bag"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_tt_embedding_lookups_against_the_dense_table(device, cls, compiled):
+    torch.manual_seed(0)
+    layer = (cls(30522, 768, rank=16) if cls is TTEmbedding else cls(30522, 768, mode="sum", rank=16)).to(device)
+    perturb_gates(layer)
+    idx = torch.randint(0, 30522, (4, 37), device=device)
+    idx[0, :5] = idx[1, :5]   # repeated rows, as real batches have
+    run = torch.compile(layer, backend="comera", fullgraph=True) if compiled else layer
+    out = run(idx)
+    table = layer.to_dense().detach().double().cpu()
+    ref = F.embedding(idx.cpu(), table) if cls is TTEmbedding else F.embedding_bag(idx.cpu(), table, mode="sum")
+    assert out.device.type == device.type
+    assert rel_err(out.cpu(), ref) < 1e-5
+    w = torch.randn(out.shape, device=device)
+    (out * w).sum().backward()
+    cores64 = [c.detach().double().cpu().requires_grad_() for c in layer.cores]
+    gates64 = [g.detach().double().cpu().requires_grad_() for g in layer.gates]
+    from comera_compile.tt import cores_to_dense
+
+    dense = cores_to_dense(cores64, gates64, layer.spec)
+    ref_out = F.embedding(idx.cpu(), dense) if cls is TTEmbedding else F.embedding_bag(idx.cpu(), dense, mode="sum")
+    (ref_out * w.double().cpu()).sum().backward()
+    for p, r in zip([*layer.cores, *layer.gates], [*cores64, *gates64]):
+        assert rel_err(p.grad.cpu(), r.grad) < 1e-4
+
+
+@pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag], ids=["embedding", "bag"])
+def test_out_of_range_indices_raise_eager_and_compiled(device, cls):
+    """Eager: nn.Embedding's IndexError.  Compiled: a run-time error, never a wrapped-around row.  On CUDA a
+    compiled lookup fails by a device-side assert (as a compiled nn.Embedding does), which ends the process's
+    CUDA context, so that part runs in a child process."""
+    torch.manual_seed(0)
+    layer = cls(256, 16, rank=4).to(device)
+    for bad in (256, -1):
+        with pytest.raises(IndexError):
+            layer(torch.tensor([[0, bad, 7]], device=device))
+    if device.type == "cpu":
+        run = torch.compile(layer, backend="comera", fullgraph=True)
+        torch.testing.assert_close(run(torch.tensor([[0, 5, 255]])), layer(torch.tensor([[0, 5, 255]])))
+        with pytest.raises(RuntimeError, match="index out of range"):
+            run(torch.tensor([[0, 256, 7]]))
+        return
+    code = textwrap.dedent(f"""
+        import torch, comera_compile as cc
+        from comera_compile.embedding import {cls.__name__} as C
+        layer = C(256, 16, rank=4).cuda()
+        run = torch.compile(layer, backend="comera", fullgraph=True)
+        good = run(torch.tensor([[0, 5, 255]], device="cuda"))
+        assert torch.allclose(good, layer(torch.tensor([[0, 5, 255]], device="cuda")))
+        print("good rows ok", flush=True)
+        run(torch.tensor([[0, 256, 7]], device="cuda"))
+        torch.cuda.synchronize()
+        print("NO ERROR", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "good rows ok" in done.stdout, done.stderr[-3000:]
+    assert "NO ERROR" not in done.stdout and done.returncode != 0
+    assert "index out of range" in done.stderr or "device-side assert" in done.stderr, done.stderr[-3000:]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int = 64, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(F.gelu(self.norm(self.up(x))), self.dropout, training=self.training)
+        return x + self.down(h)
+
+
+class _Net(nn.Module):
+    def __init__(self, depth: int = 2, width: int = 64, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(32, width)
+        self.blocks = nn.ModuleList(_Block(width, dropout) for _ in range(depth))
+        self.head = nn.Linear(width, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _tensorized_net(device: torch.device, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return cc.tensorize(_Net(), rank=6, min_features=32).to(device)
+
+
+def _batch(device: torch.device, rows: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 32, generator=g).to(device), torch.randint(0, 5, (rows,), generator=g).to(device)
+
+
+def test_backend_replays_recorded_cuda_graphs_one_recording_per_shape(device):
+    needs_cuda(device, "CUDA Graph trees")
+    model = _tensorized_net(device)
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="comera")
+    a, b = _batch(device, 16)[0], _batch(device, 24)[0]
+    with CudaGraphCaptures() as captures:
+        for _ in range(3):   # Inductor's graph trees warm up once, record on the next call
+            out = compiled(a)
+        out.sum().backward()
+        after_a = captures.count
+        for _ in range(5):
+            compiled(a).sum().backward()
+        assert captures.count == after_a, "steady steps must replay, not record"
+        for _ in range(3):
+            compiled(b).sum().backward()
+        after_b = captures.count
+        for _ in range(3):
+            compiled(a).sum().backward()
+            compiled(b).sum().backward()
+        assert captures.count == after_b
+    assert after_a > 0 and after_b > after_a
+    assert captures.skips == 0
+    torch.testing.assert_close(compiled(a), eager(a), rtol=1e-4, atol=1e-5)
+
+
+def test_compile_step_with_the_optimizer_inside_the_replay(device):
+    """compile_step at its defaults on CUDA compiles the optimizer step into the replayed graphs too; on the
+    CPU the same path runs with compile_optimizer=True.  Either way it trains as eager AdamW steps do."""
+    x, target = _batch(device, 32)
+    loss_fn = nn.CrossEntropyLoss()
+    eager = _tensorized_net(device)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.0)
+    for _ in range(6):
+        loss_fn(eager(x), target).backward()
+        opt.step()
+        opt.zero_grad()
+    model = _tensorized_net(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    step = cc.compile_step(model, loss_fn, opt, compile_optimizer=None if device.type == "cuda" else True)
+    with CudaGraphCaptures() as captures:
+        losses = [step(x, target) for _ in range(3)]
+        recorded = captures.count
+        losses += [step(x, target) for _ in range(3)]
+    if device.type == "cuda":
+        assert recorded > 0 and captures.count == recorded and captures.skips == 0
+    assert losses[-1] < losses[0]
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+
+
+def test_hash_dropout_keep_rate_and_mask_agreement(device):
+    """Compiled dropout (hash masks in the generated kernels: Triton on CUDA, C++ on the CPU) keeps 1 - p of
+    the elements, scales them by 1 / (1 - p), and the backward lets the gradient through exactly where the
+    forward kept an element."""
+    p, n = 0.3, 1 << 20
+    x = (torch.rand(n, device=device) + 0.5).requires_grad_()   # no zeros: a zero output means dropped
+    fn = torch.compile(lambda t: F.dropout(t, p, training=True) * 2.0, backend="comera")
+    y = fn(x)
+    kept = y != 0
+    rate = kept.float().mean().item()
+    assert abs(rate - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    torch.testing.assert_close(y[kept], 2.0 * x.detach()[kept] / (1 - p))
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, kept.float() * 2.0 / (1 - p))
+    y2 = fn(x)
+    assert not torch.equal(y2 != 0, kept), "each call draws a new mask"
+
+
+def test_tempo_ops_against_the_plain_torch_ops(device):
+    from comera_compile.ops.attention import softmax_dropout_matmul
+    from comera_compile.ops.gelu import gelu
+    from comera_compile.ops.layer_norm import layer_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 128, 256, device=device)
+    w, b = torch.randn(256, device=device), torch.randn(256, device=device)
+    scores, v = torch.randn(2, 4, 64, 64, device=device), torch.randn(2, 4, 64, 32, device=device)
+    cases = {
+        "gelu": (lambda t: gelu(t), lambda t: F.gelu(t), [x]),
+        "layer_norm": (lambda t, w, b: layer_norm(t, 256, w, b), lambda t, w, b: F.layer_norm(t, (256,), w, b),
+                       [x, w, b]),
+        "attention": (lambda s, v: softmax_dropout_matmul(s, v, 0.0), lambda s, v: s.softmax(-1) @ v, [scores, v]),
+    }
+    for name, (ours, plain, inputs) in cases.items():
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        refs = [t.clone().requires_grad_() for t in inputs]
+        out, ref = ours(*leaves), plain(*refs)
+        grad = torch.randn_like(ref)
+        out.backward(grad)
+        ref.backward(grad)
+        assert out.device.type == device.type, name
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=name)
+        for g, r in zip(leaves, refs):
+            torch.testing.assert_close(g.grad, r.grad, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_rank_reallocation_under_cuda_graphs_records_once_and_runs_the_new_shapes(device):
+    """A RankAdaptive cut mid-run makes new, smaller Parameters: the compiled step recompiles and records
+    once for them, then replays; no graph of the old shapes runs again (the losses match an eager model cut
+    the same way, step for step)."""
+    x, target = _batch(device, 32)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def run(compiled: bool):
+        model = _tensorized_net(device)
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3), weight_decay=0.0)
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=4, realloc_at=1.0)
+        step = cc.compile_step(model, lambda out, t: ra.loss(loss_fn(out, t)), opt,
+                               compile_optimizer=None if device.type == "cuda" else True) if compiled else None
+        losses, counts, cuts = [], [], []
+        with CudaGraphCaptures() as captures:
+            for i in range(12):
+                if compiled:
+                    losses.append(float(step(x, target)))
+                else:
+                    loss = ra.loss(loss_fn(model(x), target))
+                    losses.append(float(loss.detach()))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+                if i == 3:   # switch a slice off in every layer just before the cut check (the 4th ra.step)
+                    with torch.no_grad():
+                        for layer in ra.layers.values():
+                            layer.gates[0][0] = 0.0
+                cuts.append(ra.step())
+                counts.append(captures.count)
+        return losses, counts, cuts, captures.skips, ra
+
+    losses, counts, cuts, skips, ra = run(True)
+    ref_losses, _, ref_cuts, _, ref_ra = run(False)
+    assert cuts == ref_cuts and sum(cuts) == 1 and ra.ranks() == ref_ra.ranks()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    if device.type == "cuda":
+        cut_at = cuts.index(True)
+        assert skips == 0
+        assert counts[2] == counts[cut_at]                   # replays before the cut
+        assert counts[cut_at + 3] > counts[cut_at]           # one re-record for the new shapes
+        assert counts[-1] == counts[cut_at + 3]              # then replays again
+
+
+def test_cuda_memory_figures_from_the_allocator(device):
+    """A TT training step holds less device memory than the dense one it replaces (peak bytes from
+    torch.cuda.max_memory_allocated on CUDA; the tracked live tensors of comera_compile.memory elsewhere)."""
+    from comera_compile.benchmarks.device_step import step_peak_bytes
+
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(device)
+    tt = cc.tensorize(copy.deepcopy(dense), rank=16).to(device)
+    x = torch.randn(8, 1024, device=device)
+    peaks = {}
+    for name, model in (("dense", dense), ("tt", tt)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(model=model, opt=opt):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        peaks[name] = step_peak_bytes(step, model, opt, device)
+    dense_weights = sum(p.numel() * p.element_size() for p in dense.parameters())
+    assert peaks["dense"] >= 3 * dense_weights   # weights, gradients, two Adam moments
+    assert peaks["tt"] < peaks["dense"] / 10
