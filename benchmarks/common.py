@@ -61,11 +61,16 @@ def format_flat_rows(rows: list[dict]) -> str:
         for r in rows)
 
 
-def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module) -> Callable[..., torch.Tensor]:
-    """An eager training step, step(*inputs, target) -> detached loss: forward, loss, backward, optimizer step."""
+def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
+               autocast: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
+    """An eager training step, step(*inputs, target) -> detached loss: forward, loss (under torch.autocast to
+    `autocast` on the model's device type when given), backward, optimizer step."""
+    device_type = next((p.device.type for p in model.parameters()), "cpu")
+
     def step(*batch: torch.Tensor) -> torch.Tensor:
         *inputs, target = batch
-        loss = loss_fn(model(*inputs), target)
+        with torch.autocast(device_type, dtype=autocast, enabled=autocast is not None):
+            loss = loss_fn(model(*inputs), target)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -34,6 +34,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 
+from .common import eager_step
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order
 
 __all__ = ["run", "format_rows", "device_compare", "step_peak_bytes", "precision", "PRECISIONS"]
@@ -115,19 +116,6 @@ def step_peak_bytes(step: Callable[[], object], model: nn.Module, optimizer: tor
     return torch.cuda.max_memory_allocated(device) - base + persistent_bytes(model, optimizer)
 
 
-def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module, device_type: str,
-                dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
-    def step(*batch: torch.Tensor) -> torch.Tensor:
-        *inputs, target = batch
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
-
-
 def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galore: bool
               ) -> dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tensor]]]:
     """name -> (model, optimizer, step(*batch)) of every variant, built from one seed."""
@@ -148,7 +136,7 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         return other
 
     opt = adamw(dense)
-    out["dense eager"] = (dense, opt, _eager_step(dense, opt, loss_fn, device.type, dtype))
+    out["dense eager"] = (dense, opt, eager_step(dense, opt, loss_fn, dtype))
     compiled_dense = copy_of(dense)
     opt = adamw(compiled_dense)
     out["dense compiled"] = (compiled_dense, opt, cc.compile_step(
@@ -162,7 +150,7 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
     if galore:
         g = copy_of(dense)
         opt = galore_optimizer(g)
-        out["GaLore"] = (g, opt, _eager_step(g, opt, loss_fn, device.type, dtype))
+        out["GaLore"] = (g, opt, eager_step(g, opt, loss_fn, dtype))
 
     def tensorized() -> nn.Module:
         return cc.tensorize(copy_of(dense), preset="comera-six-encoder", inplace=True)

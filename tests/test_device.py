@@ -75,7 +75,8 @@ def test_tt_linear_forward_backward_against_dense_fp32(device, shape):
     y, grads = _tt_grads(layer, x, grad_out)
     y_ref, grads_ref = _dense_reference(layer, x, grad_out)
     assert y.dtype == torch.float32 and y.device.type == device.type
-    assert rel_err(y.cpu(), y_ref) < 1e-5
+    # float32 GEMMs (TF32 off, torch's default): ~1e-6 here; a wrong contraction is off by O(1)
+    assert rel_err(y.cpu(), y_ref) < 1e-4
     for g, r in zip(grads, grads_ref):
         assert rel_err(g.cpu(), r) < 1e-4
 
@@ -205,19 +206,19 @@ def test_backend_replays_recorded_cuda_graphs_one_recording_per_shape(device):
     a, b = _batch(device, 16)[0], _batch(device, 24)[0]
     with CudaGraphCaptures() as captures:
         for _ in range(3):   # Inductor's graph trees warm up once, record on the next call
-            out = compiled(a)
-        out.sum().backward()
+            compiled(a).sum().backward()
         after_a = captures.count
         for _ in range(5):
             compiled(a).sum().backward()
         assert captures.count == after_a, "steady steps must replay, not record"
-        for _ in range(3):
+        for _ in range(3):   # a second shape (dynamo may recompile for it, and a's graph with it)
             compiled(b).sum().backward()
+            compiled(a).sum().backward()
         after_b = captures.count
         for _ in range(3):
             compiled(a).sum().backward()
             compiled(b).sum().backward()
-        assert captures.count == after_b
+        assert captures.count == after_b, "every shape seen replays its recording"
     assert after_a > 0 and after_b > after_a
     assert captures.skips == 0
     torch.testing.assert_close(compiled(a), eager(a), rtol=1e-4, atol=1e-5)
