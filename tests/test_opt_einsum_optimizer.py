@@ -27,14 +27,14 @@ def _arrays(eq: str, sizes: dict[str, int], seed: int = 0, dtype=np.float64) -> 
 
 
 def _assert_linear_path(path, n: int) -> None:
-    """A path in opt_einsum's linear form: tuples of Python ints, each naming distinct operands among those left
-    (all removed, the result appended), ending with one operand."""
+    """A path in opt_einsum's linear form: tuples of Python ints in ascending order, each naming distinct
+    operands among those left (all removed, the result appended), ending with one operand."""
     assert isinstance(path, list)
     left = n
     for step in path:
         assert isinstance(step, tuple) and len(step) >= 1
         assert all(type(k) is int for k in step)
-        assert len(set(step)) == len(step) and all(0 <= k < left for k in step)
+        assert list(step) == sorted(set(step)) and all(0 <= k < left for k in step)
         left -= len(step) - 1
     assert left == 1
 
@@ -119,6 +119,22 @@ def test_three_or_more_inputs_give_a_list_of_int_tuples_the_search_chose(counted
     net = nw.einsum_network(inputs.split(","), output, sizes)
     assert nw.tree_cost(net, _tree(path, len(arrays))) == nw.optimal_tree(net)[1]
     assert nw.optimal_tree(net)[1] == min(nw.tree_cost(net, _tree(p, len(arrays))) for p in _all_paths(6))
+
+
+def test_steps_are_in_opt_einsum_linear_form():
+    """opt_einsum's optimizers write each step's positions in ascending order (ssa_to_linear sorts them):
+    a path is its own round trip through static single assignment form."""
+    sizes = {"a": 5, "b": 7, "c": 3, "d": 6, "e": 4, "h": 2, "q": 3, "s": 5, "f": 4, "g": 3}
+    inputs = [set(t) for t in ("abh", "bcq", "cdh", "dea", "ehs", "fg")]
+    for training in (True, False):
+        path = TrainingPathOptimizer(training)(inputs, set("afg"), sizes)
+        assert opt_einsum.paths.ssa_to_linear(opt_einsum.paths.linear_to_ssa(path)) == path
+        assert all(i < j for i, j in path)
+    # A left-deep tree, whose merged operand sits after the next input: (4, 0) in plan order.
+    chain = [set("ab"), set("bc"), set("cd"), set("de"), set("ef")]
+    path = TrainingPathOptimizer()(chain, set("af"), {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "f": 6})
+    assert all(i < j for i, j in path)
+    _assert_linear_path(path, 5)
 
 
 def test_returned_paths_are_fresh_lists():

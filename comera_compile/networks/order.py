@@ -185,8 +185,9 @@ def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_require
 
 def _linear_path(tree: Tree, n: int) -> list[tuple[int, int]]:
     """A tree as opt_einsum's linear path: each step the positions of its two operands among those left
-    (both removed, the result appended), children before parents, left subtree first: the path
-    plan_from_tree gives a network with no row-dependent tensor."""
+    (both removed, the result appended), in ascending order as opt_einsum's optimizers give them
+    (paths.ssa_to_linear sorts); children before parents, left subtree first, the step order plan_from_tree
+    takes for a network with no row-dependent tensor (its pairs keep the tree's operand order instead)."""
     ops: list[Tree] = list(range(n))
     path: list[tuple[int, int]] = []
 
@@ -195,9 +196,9 @@ def _linear_path(tree: Tree, n: int) -> list[tuple[int, int]]:
             return
         visit(t[0])
         visit(t[1])
-        i, j = ops.index(t[0]), ops.index(t[1])
+        i, j = sorted((ops.index(t[0]), ops.index(t[1])))
         path.append((i, j))
-        del ops[max(i, j)], ops[min(i, j)]
+        del ops[j], ops[i]
         ops.append(t)
 
     visit(tree)
@@ -238,8 +239,8 @@ class TrainingPathOptimizer(opt_einsum.paths.PathOptimizer):
     inputs flagged in `requires_grad` (default: all), and follows opt_einsum's conventions for path
     optimizers:
 
-    - the path is a list of tuples of Python ints, positions among the operands left (both removed, the
-      result appended); one input: [(0,)];
+    - the path is a list of tuples of Python ints in ascending order, positions among the operands left
+      (all removed, the result appended), as opt_einsum.paths.ssa_to_linear writes them; one input: [(0,)];
     - inputs are any iterables of hashable index labels (strings, sets, frozensets; letters, opt_einsum's
       unicode symbols or any other hashables), the output likewise; an input's repeated labels (a trace or
       diagonal) count once, as opt_einsum's own optimizers count them, so the same expression gets the same
