@@ -9,8 +9,9 @@ TrainingPathOptimizer offers the search to any opt_einsum user as a path optimiz
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from functools import lru_cache
-from typing import Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, List, Mapping, Sequence, Tuple
 
 import opt_einsum
 
@@ -182,27 +183,144 @@ def plan_tt_linear(spec: TTSpec, rows: int, training: bool = True, input_require
     return search(tt_linear_network(spec, int(rows), input_requires_grad), training)
 
 
+def _linear_path(tree: Tree, n: int) -> list[tuple[int, int]]:
+    """A tree as opt_einsum's linear path: each step the positions of its two operands among those left
+    (both removed, the result appended), in ascending order as opt_einsum's optimizers give them
+    (paths.ssa_to_linear sorts); children before parents, left subtree first, the step order plan_from_tree
+    takes for a network with no row-dependent tensor (its pairs keep the tree's operand order instead)."""
+    ops: list[Tree] = list(range(n))
+    path: list[tuple[int, int]] = []
+
+    def visit(t: Tree) -> None:
+        if isinstance(t, int):
+            return
+        visit(t[0])
+        visit(t[1])
+        i, j = sorted((ops.index(t[0]), ops.index(t[1])))
+        path.append((i, j))
+        del ops[j], ops[i]
+        ops.append(t)
+
+    visit(tree)
+    return path
+
+
+def _symbols(labels: Iterable[Hashable]) -> dict[Hashable, str]:
+    """One character per index label, as the network needs.  opt_einsum hands its optimizers one-character
+    strings (its own get_symbol characters for interleaved input), kept as they are; any other hashable
+    labels, which opt_einsum's own optimizers also accept, are renamed by get_symbol in sorted order."""
+    labels = list(labels)
+    if all(isinstance(c, str) and len(c) == 1 for c in labels):
+        return {c: c for c in labels}
+    try:
+        ordered = sorted(labels)
+    except TypeError:  # labels of mixed types: a fixed order all the same
+        ordered = sorted(labels, key=lambda c: (type(c).__qualname__, repr(c)))
+    return {c: opt_einsum.get_symbol(k) for k, c in enumerate(ordered)}
+
+
+def _memory_limit(memory_limit: float | None) -> int | None:
+    """opt_einsum's memory_limit as this module reads it: None, -1 and infinity mean no limit (as in
+    opt_einsum.paths), anything else a number of elements."""
+    if memory_limit is None or memory_limit == -1 or memory_limit == math.inf:
+        return None
+    return int(memory_limit)
+
+
+PathType = List[Tuple[int, ...]]
+
+
 class TrainingPathOptimizer(opt_einsum.paths.PathOptimizer):
     """An opt_einsum path optimizer running this module's search on any einsum expression:
 
         opt_einsum.contract(eq, *arrays, optimize=TrainingPathOptimizer())
 
     It minimises the cost model's forward cost plus, when `training`, the gradient contractions of the
-    inputs flagged in `requires_grad` (default: all).  With more than EXACT_CONNECTED inputs, or with a
-    memory limit (which the search does not model), it hands the expression to opt_einsum's `fallback`
-    optimizer, whose heuristics are built for large expressions."""
+    inputs flagged in `requires_grad` (default: all), and follows opt_einsum's conventions for path
+    optimizers:
+
+    - the path is a list of tuples of Python ints in ascending order, positions among the operands left
+      (all removed, the result appended), as opt_einsum.paths.ssa_to_linear writes them; one input: [(0,)];
+    - inputs are any iterables of hashable index labels (strings, sets, frozensets; letters, opt_einsum's
+      unicode symbols or any other hashables), the output likewise; an input's repeated labels (a trace or
+      diagonal) count once, as opt_einsum's own optimizers count them, so the same expression gets the same
+      path whether given as strings or as the frozensets contract_path passes;
+    - None, -1 and infinity as memory_limit mean no limit, as in opt_einsum.paths; a real limit sends the
+      expression to `fallback`: the search does not model the size of intermediates, while opt_einsum's
+      optimizers keep to the limit (contracting several operands at once where no pair fits);
+    - with more than EXACT_CONNECTED inputs, the expression goes to `fallback` too (an opt_einsum optimizer
+      name or a PathOptimizer), whose heuristics are built for large expressions.
+
+    Paths are memoised per instance (up to `cache_size` expressions, least recently used dropped first):
+    opt_einsum calls its optimizer on every contract(), and a second call of the same expression (same index
+    sets, output, sizes and limit) returns the stored path without searching.  Answers of a `fallback`
+    given as an object are not stored: such optimizers keep their own state (opt_einsum's random optimizers
+    improve on, or refuse, repeated calls)."""
 
     def __init__(self, training: bool = True, requires_grad: Sequence[bool] | None = None,
-                 fallback: str = "auto") -> None:
-        self.training = training
-        self.requires_grad = None if requires_grad is None else tuple(requires_grad)
+                 fallback: str | Callable[..., Any] = "auto", cache_size: int = 1024) -> None:
+        if isinstance(fallback, str):
+            opt_einsum.paths.get_path_fn(fallback)  # an unknown name fails now, with opt_einsum's KeyError
+        elif not callable(fallback):
+            raise TypeError(f"fallback must be an opt_einsum optimizer name or a path optimizer, not {fallback!r}")
+        self.training = bool(training)
+        self.requires_grad = None if requires_grad is None else tuple(bool(g) for g in requires_grad)
         self.fallback = fallback
+        self.cache_size = int(cache_size)
+        self._cache: OrderedDict[tuple, tuple[tuple[int, ...], ...]] = OrderedDict()
 
-    def __call__(self, inputs: list[Iterable[str]], output: Iterable[str], size_dict: dict[str, int],
-                 memory_limit: int | None = None) -> list[tuple[int, ...]]:
-        if len(inputs) == 1:
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(training={self.training!r}, requires_grad={self.requires_grad!r}, "
+                f"fallback={self.fallback!r})")
+
+    def clear_cache(self) -> None:
+        """Forget every memoised path."""
+        self._cache.clear()
+
+    def __call__(self, inputs: Sequence[Iterable[Hashable]], output: Iterable[Hashable],
+                 size_dict: Mapping[Hashable, int], memory_limit: float | None = None) -> PathType:
+        """The contraction path of the expression `inputs -> output` with index sizes `size_dict`, no
+        intermediate larger than `memory_limit` elements."""
+        n = len(inputs)
+        if n == 0:
+            raise ValueError("an einsum expression needs at least one input")
+        if self.requires_grad is not None and len(self.requires_grad) != n:
+            raise ValueError(f"requires_grad has {len(self.requires_grad)} entries for {n} inputs")
+        if n == 1:
             return [(0,)]
-        if memory_limit is not None or len(inputs) > EXACT_CONNECTED:
-            return opt_einsum.paths.get_path_fn(self.fallback)(inputs, output, size_dict, memory_limit)
-        net = einsum_network(inputs, output, size_dict, self.requires_grad)
-        return list(search(net, self.training).path)
+        sets = tuple(frozenset(idx) for idx in inputs)
+        out = frozenset(output)
+        sizes = {c: int(size_dict[c]) for c in frozenset().union(*sets, out)}
+        limit = _memory_limit(memory_limit)
+        key = (sets, out, frozenset(sizes.items()), limit, self.training, self.requires_grad,
+               self.fallback if isinstance(self.fallback, str) else None)
+        path = self._cache.get(key)
+        if path is not None:
+            try:
+                self._cache.move_to_end(key)
+            except KeyError:  # dropped meanwhile by another thread's call
+                pass
+            return list(path)
+        path, searched = self._path(sets, out, sizes, limit)
+        if self.cache_size > 0 and (searched or isinstance(self.fallback, str)):
+            self._cache[key] = path
+            while len(self._cache) > self.cache_size:
+                try:
+                    self._cache.popitem(last=False)
+                except KeyError:
+                    break
+        return list(path)
+
+    def _path(self, sets: tuple[frozenset, ...], out: frozenset, sizes: dict[Hashable, int], limit: int | None
+              ) -> tuple[tuple[tuple[int, ...], ...], bool]:
+        """(path, whether this module's search chose it rather than the fallback)."""
+        if limit is None and len(sets) <= EXACT_CONNECTED:
+            symbol = _symbols(sizes)
+            net = einsum_network(["".join(symbol[c] for c in s) for s in sets], "".join(symbol[c] for c in out),
+                                 {symbol[c]: v for c, v in sizes.items()}, self.requires_grad)
+            return tuple(_linear_path(optimal_tree(net, self.training)[0], len(sets))), True
+        # A memory limit, or too many inputs for the exact search.  The fallback gets what contract_path would
+        # pass (frozensets, int sizes, the limit as an int or None), whatever form the caller used.
+        fallback = opt_einsum.paths.get_path_fn(self.fallback) if isinstance(self.fallback, str) else self.fallback
+        path = fallback(list(sets), out, dict(sizes), limit)
+        return tuple(tuple(int(k) for k in step) for step in path), False
