@@ -4,7 +4,8 @@ Public API only; see README.md for a quick start.  Names are imported on first u
 ``import comera_compile`` costs little beyond torch, and importing the formats (``comera_compile.tt``) does
 not import the compiler.  The "comera" backend is found by torch.compile through the package's
 torch_dynamo_backends entry point; from a source tree that is not installed, importing the package
-registers it (and then imports the backend).
+registers it (and then imports the backend).  Importing the package registers its log names with
+torch._logging (comera_compile.logs).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "comera_backend": "comera_compile.backend",
     "compile_step": "comera_compile.backend",
     "repeated_blocks": "comera_compile.backend",
+    "rewritten_graphs": "comera_compile.backend",
+    "GraphReport": "comera_compile.logs",
     "RankAdaptive": "comera_compile.rank_adaptive",
     "param_groups": "comera_compile.optim",
     "tempo": "comera_compile.passes.module.tempo",
@@ -58,7 +61,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from comera_compile.backend import comera_backend, compile_step, repeated_blocks
+    from comera_compile.backend import comera_backend, compile_step, repeated_blocks, rewritten_graphs
+    from comera_compile.logs import GraphReport
     from comera_compile.checkpoint import from_pretrained, save_pretrained
     from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
     from comera_compile.layers import TTLinear
@@ -77,3 +81,7 @@ else:
         from comera_compile.backend import register as _register_backend
 
         _register_backend()
+    # The "comera" log and "comera_graphs" artifact, for torch._logging.set_logs (comera_compile.logs).
+    from comera_compile.logs import register as _register_logs
+
+    _register_logs()

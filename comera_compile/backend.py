@@ -10,12 +10,15 @@ trees replay the compiled forward and backward with no per-kernel launch cost.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx
 
-__all__ = ["comera_backend", "OPTIONS", "inductor_config", "compile_step", "register", "keep_freed_memory",
+if TYPE_CHECKING:
+    from comera_compile.logs import GraphReport
+
+__all__ = ["comera_backend", "rewritten_graphs", "OPTIONS", "inductor_config", "compile_step", "register", "keep_freed_memory",
            "repeated_blocks", "CudaGraphCaptures"]
 
 # Every option the backend takes, with its default and what it does.
@@ -88,30 +91,68 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     return patches
 
 
+def _run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: dict[str, Any],
+                then: str) -> tuple[torch.fx.GraphModule, "GraphReport"]:
+    """comera's fx passes on dynamo's graph, as the options say; the graph they leave and a report of what
+    each did (the code after each stage, the TT layers' contraction steps)."""
+    from comera_compile.logs import GraphReport, listing, tt_contractions
+
+    report = GraphReport(gm, tuple(sorted(_devices(example_inputs))), _compile_id(), then=then)
+    report.stages.append(("dynamo", listing(gm)))
+
+    def ran(name: str, result: Any) -> None:
+        report.passes[name] = result.count
+        if result.modified:   # an unchanged graph is not listed again
+            report.stages.append((name, listing(result.graph_module)))
+
+    if opts["contraction"]:
+        from comera_compile.passes.fx.contraction import expand_contractions
+
+        ran("contraction", expand_contractions(gm, example_inputs))
+    if opts["memory"]:
+        from comera_compile.passes.fx.tempo import tempo_graph
+
+        result = tempo_graph(gm, example_inputs)
+        ran("tempo", result)
+        gm = report.graph_module = result.graph_module
+    else:
+        if opts["fast_dropout"]:
+            from comera_compile.passes.fx.dropout import fast_dropout
+
+            ran("fast_dropout", fast_dropout(gm, example_inputs))
+        if opts["materialize_casts"]:
+            from comera_compile.passes.fx.materialize import materialize_int_casts
+
+            ran("materialize_casts", materialize_int_casts(gm, example_inputs))
+    report.layers = tt_contractions(gm)
+    return gm, report
+
+
+def _compile_id() -> str | None:
+    try:
+        from torch._guards import CompileContext
+
+        cid = CompileContext.current_compile_id()
+        return None if cid is None else str(cid)
+    except Exception:   # outside dynamo, or a release without compile ids: the report goes without one
+        return None
+
+
 def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                    options: dict[str, Any] | None = None) -> Callable:
-    """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx."""
+    """torch.compile backend: comera's passes on the dynamo graph, then Inductor's compile_fx.  What the
+    passes did goes to torch's logs when asked (comera_compile.logs: TORCH_LOGS, TORCH_TRACE)."""
+    from comera_compile.logs import emit
+
     opts = _check_options(options)
     devices = _devices(example_inputs)
     on_cpu = devices == {"cpu"}
     if on_cpu and opts["keep_memory"]:
         keep_freed_memory()
-    if opts["contraction"]:
-        from comera_compile.passes.fx.contraction import expand_contractions
-
-        expand_contractions(gm, example_inputs)
+    gm, report = _run_passes(gm, example_inputs, opts, then="eager (Tempo ops)" if opts["memory"] else "Inductor")
+    emit(report)
     if opts["memory"]:
-        from comera_compile.passes.fx.tempo import tempo_graph
-
-        return tempo_graph(gm, example_inputs).graph_module.forward
-    if opts["fast_dropout"]:
-        from comera_compile.passes.fx.dropout import fast_dropout
-
-        fast_dropout(gm, example_inputs)
-    if opts["materialize_casts"]:
-        from comera_compile.passes.fx.materialize import materialize_int_casts
-
-        materialize_int_casts(gm, example_inputs)
+        return gm.forward
     from torch._functorch import config as functorch_config
     from torch._inductor import config as inductor
     from torch._inductor.compile_fx import compile_fx
@@ -122,6 +163,31 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     # AOTAutograd partitions the joint graph inside this call, under this setting.
     with functorch_config.patch(ban_recompute_materialized_backward=not opts["recompute_materialized"]):
         return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def rewritten_graphs(model: Callable[..., Any], *args: Any, options: dict[str, Any] | None = None,
+                     **kwargs: Any) -> list["GraphReport"]:
+    """The graphs torch.compile(model, backend="comera") would hand Inductor for model(*args, **kwargs),
+    after comera's passes, one GraphReport per graph dynamo captures (a graph break makes several): its
+    code after each pass (``report.stages``), its TT layers' contraction steps with FLOPs (``report.layers``)
+    and ``str(report)`` to print.  Works for any model dynamo can capture, transformers models included.
+    Runs the model once, eagerly after the capture (nothing goes to Inductor); its buffers and torch's
+    random state are restored afterwards, so the model is left as it was."""
+    opts = _check_options(options)
+    reports: list = []
+
+    def capture(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm, report = _run_passes(gm, example_inputs, opts, then="(captured: not compiled)")
+        reports.append(report)
+        return gm.forward
+
+    buffers = [(b, b.detach().clone()) for b in model.buffers()] if isinstance(model, torch.nn.Module) else []
+    with torch.random.fork_rng(devices=[]):   # dropout draws: the user's generator state stays as it was
+        torch.compile(model, backend=capture)(*args, **kwargs)
+    with torch.no_grad():   # e.g. BatchNorm's running statistics, updated by a forward in training mode
+        for buf, saved in buffers:
+            buf.copy_(saved)
+    return reports
 
 
 _WARM_KERNEL = ('#include <torch/csrc/inductor/cpp_prefix.h>\n'

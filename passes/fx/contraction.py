@@ -93,6 +93,7 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
         rows = math.prod(lead)
         plan = mod.plan(rows, training, training)
         prefix = node.target.replace(".", "_")
+        before = set(graph.nodes)
         with graph.inserting_before(node):
 
             def emit(op: str, target, args, suffix: str) -> torch.fx.Node:
@@ -136,6 +137,10 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
             if mod.bias is not None and not fused:
                 y = emit("call_function", operator.add, (y, graph.get_attr(f"{node.target}.bias")), "biased")
             y = emit("call_method", "reshape", (y, *lead, spec.out_features), "out")
+        for new in graph.nodes:   # which layer each new node computes, for comera_compile.logs
+            if new not in before:
+                new.meta["comera_layer"] = (node.target, type(mod).__name__)
+                new.meta["comera_rows"] = rows
         node.replace_all_uses_with(y)
         graph.erase_node(node)
     graph.on_generate_code(_comment_transformer(comments))

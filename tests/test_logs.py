@@ -1,0 +1,210 @@
+"""Seeing what the backend did: torch's logs (TORCH_LOGS, set_logs), its structured trace (TORCH_TRACE and
+tlparse), cc.rewritten_graphs and `comera-compile inspect` on models torch.fx cannot trace."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.layers import TTLayer, TTLinear
+from comera_compile.logs import _clean_path
+
+# A tensorized model small enough for Inductor to compile in seconds: two TT layers and a dropout.
+_SCRIPT = textwrap.dedent("""
+    import logging, sys, torch
+    from torch import nn
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(256, 512), nn.Dropout(0.1), nn.Linear(512, 256)), rank=8)
+    x = torch.randn(16, 256, requires_grad=True)
+    if sys.argv[1:] == ["set_logs"]:
+        torch.compile(model, backend="comera")(x).sum().backward()
+        print("== set_logs ==", file=sys.stderr, flush=True)
+        torch._dynamo.reset()
+        torch._logging.set_logs(modules={"comera": logging.INFO, "comera_graphs": True})
+    torch.compile(model, backend="comera")(x).sum().backward()
+    print("compiled", model[0].plan(16).flops, model[2].plan(16).flops)
+""")
+
+
+def _run(tmp_path: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "compile_it.py"
+    script.write_text(_SCRIPT)
+    full = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "TORCH_TRACE")}
+    full.update(env)
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=full,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _flops(stdout: str) -> tuple[int, int]:
+    line = next(line for line in stdout.splitlines() if line.startswith("compiled"))
+    return int(line.split()[1]), int(line.split()[2])
+
+
+def _si(x: int) -> str:
+    from comera_compile.logs import _si as si
+
+    return si(x)
+
+
+def test_torch_logs_prints_a_summary_per_graph_and_the_graphs_only_when_asked(tmp_path):
+    summary = _run(tmp_path, {"TORCH_LOGS": "comera_compile"})
+    f0, f2 = _flops(summary.stdout)
+    # One summary, naming both TT layers with the rows and the forward FLOPs of the plan each layer chose
+    # (the planner's cost model; the log counts the graph's matmul shapes).
+    assert summary.stderr.count("comera graph 0/0:") == 1, summary.stderr
+    assert f"0: TTLinear, 16 rows, " in summary.stderr and f"{_si(f0)}FLOP" in summary.stderr
+    assert f"2: TTLinear, 16 rows, " in summary.stderr and f"{_si(f2)}FLOP" in summary.stderr
+    assert "fast_dropout 1" in summary.stderr and "then Inductor" in summary.stderr
+    assert "comera graph after" not in summary.stderr   # the graphs are the DEBUG level's
+
+    verbose = _run(tmp_path, {"TORCH_LOGS": "+comera_compile"})
+    assert "comera graph 0/0:" in verbose.stderr
+    assert "comera graph after dynamo:" in verbose.stderr and "comera graph after fast_dropout:" in verbose.stderr
+    assert "hash_dropout" in verbose.stderr.split("comera graph after fast_dropout:")[1]
+    assert "comera contractions:" in verbose.stderr
+
+    quiet = _run(tmp_path, {})
+    assert "comera" not in quiet.stderr, quiet.stderr
+
+
+def test_set_logs_takes_the_registered_names_after_import(tmp_path):
+    out = _run(tmp_path, {}, "set_logs")
+    before, after = out.stderr.split("== set_logs ==")
+    assert "comera" not in before
+    assert "comera graph 0/0:" in after and "comera graph after dynamo:" in after
+
+
+def test_torch_trace_report_from_tlparse_lists_comera_s_artifacts(tmp_path):
+    tlparse = Path(sys.executable).with_name("tlparse")
+    if not tlparse.exists():
+        pytest.skip("tlparse is not installed (pip install -e '.[test]' installs it)")
+    trace = tmp_path / "trace"
+    _run(tmp_path, {"TORCH_TRACE": str(trace)})
+    logs = list(trace.glob("*.log"))
+    assert logs, list(trace.iterdir())
+    report = tmp_path / "report"
+    subprocess.run([str(tlparse), str(logs[0]), "-o", str(report), "--no-browser", "--overwrite"], check=True,
+                   capture_output=True, timeout=120)
+    index = (report / "index.html").read_text()
+    for name in ("comera_summary", "comera_graph_dynamo", "comera_graph_fast_dropout"):
+        assert name in index, name
+    summary = next(report.rglob("comera_summary*.txt")).read_text()
+    assert "comera graph 0/0:" in summary and "0: TTLinear, 16 rows" in summary
+
+
+def _encoder() -> nn.Module:
+    layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True)
+    return cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8)
+
+
+def test_rewritten_graphs_finds_every_tt_layer_with_its_plan_s_flops():
+    model = _encoder()
+    x = torch.randn(2, 8, 128)
+    reports = cc.rewritten_graphs(model, x)
+    assert len(reports) == 1
+    found = {layer.layer: layer for layer in reports[0].layers}
+    tt = {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}
+    assert set(found) == set(tt) and len(tt) == 4
+    for name, layer in found.items():
+        assert layer.rows == 16 and layer.kind == "TTLinear"
+        assert layer.flops == tt[name].plan(16).flops, name   # graph matmul shapes vs the planner's count
+    assert reports[0].passes["fast_dropout"] == 6   # three dropouts per encoder layer
+    assert "hash_dropout" in reports[0].code and "[layers.1.linear2]" in reports[0].code
+
+
+def test_rewritten_graphs_leaves_the_model_and_the_generator_as_they_were():
+    model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Dropout(0.5), nn.Linear(512, 256))
+    model = cc.tensorize(model, rank=8)
+    running = model[1].running_mean.clone()
+    x = torch.randn(8, 256)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    cc.rewritten_graphs(model, x)
+    assert torch.equal(torch.rand(4), expected)
+    assert torch.equal(model[1].running_mean, running) and model[1].num_batches_tracked.item() == 0
+
+
+def test_a_graph_break_gives_one_report_per_graph():
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = TTLinear(256, 256, rank=4), TTLinear(256, 256, rank=4)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    reports = cc.rewritten_graphs(Broken(), torch.randn(3, 256))
+    assert [[layer.layer for layer in r.layers] for r in reports] == [["a"], ["b"]]
+
+
+def test_the_contraction_pass_s_own_figures_are_reported_for_a_torch_fx_graph():
+    from comera_compile.logs import tt_contractions
+    from comera_compile.passes.fx.contraction import expand_contractions
+
+    gm = cc.tensorize(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)), rank=8, trace=True)
+    expand_contractions(gm, [torch.randn(16, 256)])
+    layers = tt_contractions(gm)
+    assert [(layer.layer, layer.rows) for layer in layers] == [("0", 16), ("2", 16)]
+    for layer in layers:
+        plan = gm.get_submodule(layer.layer).plan(16)
+        assert [s.equation for s in layer.steps] == list(plan.equations)
+        assert layer.flops == plan.flops
+
+
+@pytest.mark.parametrize("source, name", [
+    ("L['self'].layers[0].linear1", "layers.0.linear1"),
+    ("L['self']._modules['encoder']._modules['layer']._modules['0']", "encoder.layer.0"),
+    ("L['args'][0].model.embed_tokens", "model.embed_tokens"),
+    ("L['fn'].layers.0.ffn", "layers.0.ffn"),
+    ("L['self']._modules['q']._parameters['bias']", "q.bias"),
+])
+def test_dynamo_sources_read_as_qualified_names(source, name):
+    assert _clean_path(source) == name
+
+
+_FACTORIES = textwrap.dedent("""
+    import transformers
+
+    def bert():
+        return transformers.BertModel(transformers.BertConfig(
+            vocab_size=211, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64))
+
+    def llama():
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, max_position_embeddings=64))
+""")
+
+
+@pytest.mark.parametrize("factory", ["bert", "llama"])
+def test_inspect_prints_the_compiled_graph_of_a_transformers_model(factory, tmp_path, monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from comera_compile.cli import main
+
+    (tmp_path / "hf_factories.py").write_text(_FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["inspect", f"hf_factories:{factory}", "--rank", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.fx cannot trace it" in out and "graph 1 of 1 that torch.compile(backend='comera')" in out
+    # Every TT layer of the table appears in the graph, its ops marked with its name.
+    table = [line.split()[0] for line in out.splitlines()
+             if len(line.split()) > 1 and line.split()[1] in ("TTLinear", "TTEmbedding")]
+    assert len(table) >= 10, out
+    for name in table:
+        assert f"[{name}]" in out, name
