@@ -64,8 +64,8 @@ def test_torch_logs_prints_a_summary_per_graph_and_the_graphs_only_when_asked(tm
     # One summary, naming both TT layers with the rows and the forward FLOPs of the plan each layer chose
     # (the planner's cost model; the log counts the graph's matmul shapes).
     assert summary.stderr.count("comera graph 0/0:") == 1, summary.stderr
-    assert f"0: TTLinear, 16 rows, " in summary.stderr and f"{_si(f0)}FLOP" in summary.stderr
-    assert f"2: TTLinear, 16 rows, " in summary.stderr and f"{_si(f2)}FLOP" in summary.stderr
+    assert "0: TTLinear, 16 rows, " in summary.stderr and f"{_si(f0)}FLOP" in summary.stderr
+    assert "2: TTLinear, 16 rows, " in summary.stderr and f"{_si(f2)}FLOP" in summary.stderr
     assert "fast_dropout 1" in summary.stderr and "then Inductor" in summary.stderr
     assert "comera graph after" not in summary.stderr   # the graphs are the DEBUG level's
 
