@@ -68,6 +68,7 @@ class TensorizeSummary:
 
     rewritten: dict[str, str] = field(default_factory=dict)
     kept_dense: dict[str, str] = field(default_factory=dict)
+    untied: list[str] = field(default_factory=list)   # groups that shared a weight, tensorized apart
     traced: bool = False
     trace_error: str | None = None
 
@@ -312,6 +313,8 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
                              f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
     if tied_groups:
         groups = "; ".join(sorted(set(tied_groups)))
+        if tied == "untie":
+            summary.untied = sorted(set(tied_groups))
         if tied == "keep":
             warnings.warn(f"tensorize: {groups} share one weight; left dense so they stay tied. Pass "
                           f"tied='untie' to tensorize them separately (they then train independently).",
@@ -356,8 +359,62 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         # A transformers model: its own save_pretrained would write TT weights that the dense class then
         # "loads" with fresh layers; this one records the layout for cc.from_pretrained instead.
         result.save_pretrained = functools.partial(save_pretrained, result)
+    if not summary.traced and callable(getattr(result, "resize_token_embeddings", None)) and callable(
+            getattr(result, "get_input_embeddings", None)):
+        result.resize_token_embeddings = functools.partial(resize_token_embeddings, result)
+    if not summary.traced and summary.untied and callable(getattr(result, "tie_weights", None)):
+        result.tie_weights = functools.partial(_tie_weights, result)
     result.comera_summary = summary
     return result
+
+
+def _tie_weights(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """transformers' ``tie_weights`` on a model tensorize untied (tied='untie'): its config still names the
+    pairs to tie, but each member is now its own layer, and a TT layer has no ``weight`` to share; tying would
+    fail, or, once a resize has made them dense again, quietly replace one trained layer by the other.  The
+    model stays untied, as the user asked; with no TT layer left, transformers' own tying runs."""
+    if any(isinstance(m, TTLayer) for m in model.modules()) or getattr(model, "_comera_resized", False):
+        return None
+    return type(model).tie_weights(model, *args, **kwargs)
+
+
+def resize_token_embeddings(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """transformers' ``model.resize_token_embeddings(...)`` on a tensorized model (tensorize puts this in its
+    place): a TT input embedding or output head is first made the dense layer it represents (exactly, its
+    gates folded in), so transformers resizes it as usual -- old rows unchanged, new rows initialised as
+    transformers does -- and it stays dense afterwards, with the reason in ``comera_summary`` and a warning.
+    A TT factorization of the resized table would change the old rows at any rank below full; call
+    ``cc.tensorize(model)`` again to compress the new table.  Returns what transformers returns."""
+    names = {id(m): n for n, m in model.named_modules()}
+    summary = getattr(model, "comera_summary", None)
+    ends = {names.get(id(getattr(model, get)())) for get in ("get_input_embeddings", "get_output_embeddings")
+            if callable(getattr(model, get, None))}
+    for group in (summary.untied if summary is not None else []):
+        members = group.split(" and ")
+        others = [m for m in members if m not in ends]
+        if others and len(others) < len(members):
+            # e.g. T5: set_input_embeddings puts the one resized table in encoder and decoder as well
+            raise TensorizeError(f"resize_token_embeddings would make {group} one layer again (transformers "
+                                 f"resizes the input embedding and shares it), replacing {', '.join(others)}, "
+                                 f"which tensorize(tied='untie') gave layers of their own. Resize the dense model "
+                                 f"before tensorize, or tensorize with tied='keep'")
+    made_dense = []
+    for get, put in (("get_input_embeddings", "set_input_embeddings"),
+                     ("get_output_embeddings", "set_output_embeddings")):
+        layer = getattr(model, get)() if callable(getattr(model, get, None)) else None
+        if isinstance(layer, TTLayer) and callable(getattr(model, put, None)):
+            name = names.get(id(layer), get[4:])
+            getattr(model, put)(_dense_layer(layer))
+            made_dense.append(name)
+            if summary is not None:
+                summary.rewritten.pop(name, None)
+                summary.kept_dense[name] = ("made dense by resize_token_embeddings (a TT form of the resized "
+                                            "table would change its old rows); cc.tensorize(model) compresses it again")
+    if made_dense:
+        model._comera_resized = True   # no re-tying of what tensorize untied (_tie_weights)
+        warnings.warn(f"resize_token_embeddings: {', '.join(made_dense)} made dense to be resized (old rows exact); "
+                      f"call cc.tensorize(model) to compress again", stacklevel=2)
+    return type(model).resize_token_embeddings(model, *args, **kwargs)
 
 
 @torch.no_grad()
