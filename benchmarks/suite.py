@@ -20,9 +20,9 @@ __all__ = ["SUITE", "OPT_IN", "DEVICE_SUITE", "available", "run_suite"]
 
 # In the order they run: the cheap per-layer figures first, the compiled whole-model steps after.
 SUITE = ("tt_linear", "embeddings", "memory_passes", "rank_adaptive", "six_encoder_step", "galore")
-# Run only when named (--only): long training runs rather than timings; and the device step, which runs by
-# default under --device.
-OPT_IN = ("ra_control", "device_step")
+# Run only when named (--only): long training runs rather than timings; what the profiler hooks cost; and the
+# device step, which runs by default under --device.
+OPT_IN = ("ra_control", "device_step", "profiling")
 # What --device runs (each module's run takes device=): per-layer figures, then the six-encoder step.
 DEVICE_SUITE = ("tt_linear", "embeddings", "device_step")
 

@@ -37,6 +37,8 @@ _EXPORTS: dict[str, str] = {
     "repeated_blocks": "comera_compile.backend",
     "rewritten_graphs": "comera_compile.backend",
     "GraphReport": "comera_compile.logs",
+    "profile": "comera_compile.profiling",
+    "LayerProfile": "comera_compile.profiling",
     "RankAdaptive": "comera_compile.rank_adaptive",
     "param_groups": "comera_compile.optim",
     "tempo": "comera_compile.passes.module.tempo",
@@ -63,6 +65,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from comera_compile.backend import comera_backend, compile_step, repeated_blocks, rewritten_graphs
     from comera_compile.logs import GraphReport
+    from comera_compile.profiling import LayerProfile, profile
     from comera_compile.checkpoint import from_pretrained, save_pretrained
     from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
     from comera_compile.layers import TTLinear

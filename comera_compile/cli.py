@@ -140,6 +140,12 @@ def _bench(args: argparse.Namespace) -> int:
     from comera_compile.benchmarks.suite import run_suite
 
     _set_threads("bench", args.threads)
+    if args.profile:
+        from comera_compile.benchmarks.profiling import six_encoder_profile
+
+        print(f"per-layer time of the six-encoder's eager AdamW step, batch {args.profile} x 128 (cc.profile):")
+        print(six_encoder_profile(batch=args.profile, layers=2 if args.quick else 6))
+        return 0
     try:
         run_suite(quick=args.quick, only=args.only, json_path=args.json, device=args.device)
     except ValueError as e:
@@ -248,12 +254,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", nargs="+", metavar="NAME", default=None,
                    help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
                         "six_encoder_step, galore; and, only when named, ra_control: rank adaptation against "
-                        "a model built at its final ranks, about 30 minutes; device_step: see --device)")
+                        "a model built at its final ranks, about 30 minutes; profiling: what the TT layers' "
+                        "profiler hooks cost with the profiler off; device_step: see --device)")
     b.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="run the device suite on this device: TT linear, embeddings, and the six-encoder step at "
                         "batch 1/8/32 x 128 in fp32 (TF32) and bf16 autocast against dense eager, dense "
                         "torch.compile (CUDA Graphs), GaLore, CUDA Graphs off and the fixed order; cpu runs the "
                         "same code paths at reduced sizes")
+    b.add_argument("--profile", type=int, nargs="?", const=8, default=None, metavar="BATCH",
+                   help="instead of the suite, time each TT layer (forward and backward) of the six-encoder's eager "
+                        "training step at BATCH x 128 (default 8) under torch's profiler: cc.profile's table")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     args = parser.parse_args(argv)
     if args.command == "inspect":

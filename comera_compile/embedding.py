@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from . import networks
-from .layers import EXPORT_ROWS, TTLayer, check_init
+from .layers import EXPORT_ROWS, TTLayer, check_init, profiled
 from .tt import TTSpec, cores_to_dense, make_spec, svd_cores
 
 __all__ = ["TTEmbedding", "TTEmbeddingBag"]
@@ -213,6 +213,7 @@ class TTEmbedding(TTLayer):
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)
         return out, inverse
 
+    @profiled("tt_embedding")
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         flat = self._check_indices(indices, type(self).__name__)
         rows, inverse = self._lookup(flat)
@@ -280,6 +281,7 @@ class TTEmbeddingBag(TTEmbedding):
         raise _BagIndexError(f"Index {bad} of input takes value {int(flat[bad])} which is not in the valid "
                              f"range [0, {self.num_embeddings})")
 
+    @profiled("tt_embedding_bag")
     def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
                 per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         flat = self._check_indices(input, "TTEmbeddingBag")

@@ -7,8 +7,9 @@ TT layers keep the dense layer's interface (shapes, dtype, bias) and are ordinar
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,8 @@ from torch import nn
 from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
-__all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting"]
+__all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting",
+           "profiled", "PROFILER_RANGES"]
 
 # A gate entry below this (in absolute value) counts as switched off.  RankAdaptive's proximal step drives
 # unneeded gates to exactly zero, while a needed direction that is still being learned can sit far below 1%
@@ -40,6 +42,32 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
+# Whether TT layers open a profiler range while torch's profiler records (benchmarks switch it off to measure
+# what the check costs when the profiler is off).
+PROFILER_RANGES = True
+
+
+def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator for a TT layer's forward: while torch's profiler records, and outside torch.compile, the
+    call runs inside ``record_function("comera.<kind>[<layer name>]")``, so profiler tables and traces name
+    each layer's contractions (their backward ops carry the forward ops' sequence numbers, see
+    comera_compile.profiling).  Otherwise it costs one flag check.  Under torch.compile the branch folds away
+    (``is_compiling()`` is a constant to dynamo), so the compiled graph is the same with or without it."""
+
+    def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(forward)
+        def call(self: "TTLayer", *args: Any, **kwargs: Any) -> Any:
+            if (not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled
+                    and PROFILER_RANGES):
+                with torch.profiler.record_function(f"comera.{kind}[{self.comera_name or type(self).__name__}]"):
+                    return forward(self, *args, **kwargs)
+            return forward(self, *args, **kwargs)
+
+        return call
+
+    return wrap
+
+
 def check_init(init: str) -> None:
     if init not in _INITS:
         raise ValueError(f"init must be one of {_INITS}, got {init!r}")
@@ -59,6 +87,8 @@ class TTLayer(nn.Module):
     """Common part of the TT layers: the spec, the cores and the gates."""
 
     spec: TTSpec
+    # The layer's qualified name in its model, for profiler ranges: set by tensorize and comera_compile.profiling.
+    comera_name: str | None = None
 
     def _build(self, kind: str, in_features: int, out_features: int, rank: int | Sequence[int],
                in_modes: Sequence[int] | None, out_modes: Sequence[int] | None, d: int | None, init: str,
@@ -247,6 +277,7 @@ class TTLinear(TTLayer):
         cores[-1] = cores[-1].reshape(cores[-1].shape[0], cores[-1].shape[1])
         return cores
 
+    @profiled("tt_linear")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features:
             raise ValueError(f"TTLinear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}")

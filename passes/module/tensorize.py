@@ -296,6 +296,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
             summary.kept_dense[name] = reason
             continue
         new = _build(mod, kind, rank, shape, init, d, name)
+        new.comera_name = name   # its profiler ranges' name
         if new.tt_params() >= dims[0] * dims[1]:
             what = (f"{name} ({dims[0]}x{dims[1]}): {new.tt_params():,} TT parameters at ranks {new.ranks}, "
                     f"dense {dims[0] * dims[1]:,}")

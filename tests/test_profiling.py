@@ -1,0 +1,121 @@
+"""Profiler ranges named after each TT layer, and cc.profile's per-layer table."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.layers import TTLayer, TTLinear
+
+
+class _Model(nn.Module):
+    """A word embedding, a 2-layer encoder and a head: TT embedding and TT linears once tensorized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(500, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 512, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, 300)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids)))
+
+
+def _tensorized() -> nn.Module:
+    torch.manual_seed(0)
+    return cc.tensorize(_Model(), rank=8)
+
+
+def _tt_names(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, TTLayer)}
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+def test_the_profiler_names_every_tt_layer_in_eager_mode():
+    model = _tensorized()
+    names = _tt_names(model)
+    assert len(names) == 6 and "embed" in names   # the embedding, 2 x 2 FFN linears, the head
+    with torch.profiler.profile() as prof:
+        model(_ids()).sum().backward()
+    events = {e.name for e in prof.events()}
+    for name in names:
+        kind = "tt_embedding" if name == "embed" else "tt_linear"
+        assert f"comera.{kind}[{name}]" in events, name
+
+
+def test_outputs_and_gradients_are_the_same_with_the_profiler_on_or_off():
+    model = _tensorized()
+    ids = _ids()
+    out = model(ids)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with torch.profiler.profile():
+        out_on = model(ids)
+        out_on.sum().backward()
+    assert torch.equal(out, out_on)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_no_range_is_opened_while_the_profiler_is_off(monkeypatch):
+    model = _tensorized()
+    opened = []
+    real = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda *a, **k: opened.append(a) or real(*a, **k))
+    model(_ids()).sum().backward()
+    assert opened == []
+    with torch.profiler.profile():
+        model(_ids())
+    assert len(opened) == 6
+
+
+def test_profile_table_has_every_layer_with_its_forward_and_backward():
+    model = _tensorized()
+    ids = _ids()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        model(ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    table = cc.profile(step, model=model, steps=2)
+    assert {t.name for t in table.layers} == _tt_names(model)
+    for t in table.layers:
+        assert t.calls == 2 and t.forward_ms > 0, t
+        assert t.backward_ms > 0, t   # autograd's ops linked to the layer's forward ops
+    assert 0 < sum(t.total_ms for t in table.layers) < table.step_ms
+    text = str(table)
+    assert all(name in text for name in _tt_names(model))
+
+
+def test_a_layer_built_by_hand_is_named_by_its_class_until_profile_names_it():
+    layer = TTLinear(256, 256, rank=4)
+    with torch.profiler.profile() as prof:
+        layer(torch.randn(3, 256))
+    assert "comera.tt_linear[TTLinear]" in {e.name for e in prof.events()}
+    model = nn.Sequential(nn.ReLU(), layer)
+    table = cc.profile(lambda: model(torch.randn(3, 256)), model=model, steps=1, warmup=0)
+    assert [t.name for t in table.layers] == ["1"]
+
+
+def test_compiled_graphs_are_the_same_with_and_without_the_hooks():
+    from comera_compile.benchmarks.profiling import without_hooks
+
+    ids = _ids()
+    with_hooks = [r.code for r in cc.rewritten_graphs(_tensorized(), ids)]
+    plain = [r.code for r in cc.rewritten_graphs(without_hooks(_tensorized()), ids)]
+    assert with_hooks == plain and len(with_hooks) == 1
+
+
+def test_a_compiled_model_s_profile_says_its_layers_are_not_visible():
+    model = _tensorized()
+    compiled = torch.compile(model, backend="comera")
+    ids = _ids()
+    table = cc.profile(lambda: compiled(ids).sum().backward(), model=model, steps=1)
+    assert table.layers == [] and "Inductor removes profiler ranges" in str(table)
