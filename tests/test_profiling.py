@@ -119,3 +119,14 @@ def test_a_compiled_model_s_profile_says_its_layers_are_not_visible():
     ids = _ids()
     table = cc.profile(lambda: compiled(ids).sum().backward(), model=model, steps=1)
     assert table.layers == [] and "Inductor removes profiler ranges" in str(table)
+
+
+def test_bench_profile_prints_a_row_per_tt_layer(capsys):
+    from comera_compile.cli import main
+
+    assert main(["bench", "--profile", "1", "--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[1:2] in (["tt_linear"], ["tt_embedding"])]
+    names = {r[0] for r in rows}
+    assert {"layers.0.ffn_up", "layers.1.ffn_down", "word"} <= names, out
+    assert "TT layers:" in out
