@@ -19,7 +19,7 @@ from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting",
-           "profiled", "PROFILER_RANGES"]
+           "profiled"]
 
 # A gate entry below this (in absolute value) counts as switched off.  RankAdaptive's proximal step drives
 # unneeded gates to exactly zero, while a needed direction that is still being learned can sit far below 1%
@@ -42,11 +42,6 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
-# Whether TT layers open a profiler range while torch's profiler records (benchmarks switch it off to measure
-# what the check costs when the profiler is off).
-PROFILER_RANGES = True
-
-
 def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator for a TT layer's forward: while torch's profiler records, and outside torch.compile, the
     call runs inside ``record_function("comera.<kind>[<layer name>]")``, so profiler tables and traces name
@@ -57,8 +52,7 @@ def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def call(self: "TTLayer", *args: Any, **kwargs: Any) -> Any:
-            if (not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled
-                    and PROFILER_RANGES):
+            if not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled:
                 with torch.profiler.record_function(f"comera.{kind}[{self.comera_name or type(self).__name__}]"):
                     return forward(self, *args, **kwargs)
             return forward(self, *args, **kwargs)
