@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "PRESETS": "comera_compile.passes.module.tensorize",
     "save_pretrained": "comera_compile.checkpoint",
     "from_pretrained": "comera_compile.checkpoint",
+    "save_checkpoint": "comera_compile.distributed",
+    "load_checkpoint": "comera_compile.distributed",
     "explain": "comera_compile.report",
     "Explanation": "comera_compile.report",
     "comera_backend": "comera_compile.backend",
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile
     from comera_compile.checkpoint import from_pretrained, save_pretrained
+    from comera_compile.distributed import load_checkpoint, save_checkpoint
     from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
     from comera_compile.layers import TTLinear
     from comera_compile.memory import peak_bytes, saved_bytes

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .distributed import is_sharded
 from .layers import TTLayer
 
 __all__ = ["param_groups", "prefer_fast_implementation", "retire", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR",
@@ -83,7 +84,9 @@ def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
     for group in optimizer.param_groups:
         if group.get("foreach") is not None or group.get("fused"):
             continue
-        fused = fresh and "fused" in group and not group.get("differentiable")
+        # fused kernels have no DTensor sharding rule (FSDP2's parameters): foreach there
+        fused = (fresh and "fused" in group and not group.get("differentiable")
+                 and not any(is_sharded(p) for p in group["params"]))
         if fused:
             try:
                 for p in group["params"]:

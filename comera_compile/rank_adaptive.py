@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import distributed as _dist
 from .gauge import balance, canonicalize
 from .layers import DEFAULT_TAU
 from .optim import prefer_fast_implementation, retire, tt_layers
@@ -137,10 +138,16 @@ class RankAdaptive:
         self.dense_params = sum(p.numel() for p in model.parameters()) + sum(
             m.dense_params() - m.tt_params() for m in self.layers.values())
         first = next(iter(self.layers.values())).gates[0]
-        self._size_t = torch.zeros((), dtype=torch.float64, device=first.device)
-        self._penalty_t = torch.ones((), dtype=first.dtype, device=first.device)  # penalty() after the last step
-        self.masks = {name: [torch.ones_like(g, dtype=torch.bool) for g in m.gates]
+        device = _dist.local(first).device
+        self._size_t = torch.zeros((), dtype=torch.float64, device=device)
+        self._penalty_t = torch.ones((), dtype=first.dtype, device=device)  # penalty() after the last step
+        self.masks = {name: [torch.ones(g.shape, dtype=torch.bool, device=device) for g in m.gates]
                       for name, m in self.layers.items()}
+        # FSDP2: the gates are DTensors; per-step work runs on each process's shard (masks cut to match)
+        self._sharded = any(_dist.is_sharded(p) for m in self.layers.values() for p in m.parameters())
+        if self._sharded:
+            _dist.check_resharding(model, self.layers)
+        self._local_masks: dict[str, list[torch.Tensor]] = {}
         self._importance: dict[str, list[torch.Tensor]] = {}
         self.history: list[_Record] = []
         self._update_size()
@@ -149,17 +156,25 @@ class RankAdaptive:
     def penalty(self) -> torch.Tensor:
         """R: the mean penalty over the active gate entries of every TT layer, in the balanced gauge: |g|
         for l1, min(|g|, 1) - min(|g|, 1)**2 / 2 for mcp (whose derivative is the proximal step's pull).
-        Tensor ops only, so it also runs inside a compiled region without a graph break."""
+        Tensor ops only, so it also runs inside a compiled region without a graph break (FSDP2-sharded gates:
+        each process sums its shard, then one all-reduce)."""
         total, active = None, None
         for name, layer in self.layers.items():
-            for g, m in zip(layer.gates, self.masks[name]):
-                a = g.abs()
+            masks = self._local_masks[name] if self._sharded else self.masks[name]
+            for g, m in zip(layer.gates, masks):
+                a = _dist.local(g).abs()
                 if self.penalty_kind == "mcp":
                     a = a.clamp_max(1.0)
                     a = a - 0.5 * a * a
                 term, n = (a * m).sum(), m.sum()
                 total = term if total is None else total + term
                 active = n if active is None else active + n
+        if self._sharded:
+            import torch.distributed as dist
+
+            both = torch.stack([total.to(torch.float64), active.to(torch.float64)])
+            dist.all_reduce(both, group=self.layers[next(iter(self.layers))].gates[0].device_mesh.get_group())
+            return (both[0] / both[1].clamp_min(1)).to(total.dtype)
         return total / active.clamp_min(1)
 
     def loss(self, task_loss: torch.Tensor) -> torch.Tensor:
@@ -220,14 +235,18 @@ class RankAdaptive:
                 0.9 * self._loss_ema + 0.1 * self._last_loss)
         # In the late stage the size target is the goal: once reached, no further slice is shrunk.
         shrinking = self.gamma > 0 and (self.stage == "early" or self.size() > self.size_target)
+        if self._sharded and not self._local_masks:
+            self._local_masks = self._cut_masks()
         if (self.steps - 1) % BALANCE_EVERY == 0:
-            for name, layer in self.layers.items():
-                self._importance[name] = balance(layer)
-        gates = [g for layer in self.layers.values() for g in layer.gates]
+            with _dist.unsharded(self.model, self.layers):
+                for name, layer in self.layers.items():
+                    self._importance[name] = balance(layer)
+        params = [g for layer in self.layers.values() for g in layer.gates]
+        gates = [_dist.local(g) for g in params]  # FSDP2: this process's shards (the update is elementwise)
         if shrinking:  # shrink every gate by gamma x its lr x the penalty's pull, as multi-tensor ops
             lrs = self._gate_lrs()
             magnitude = torch._foreach_abs(gates)
-            steps = [self.gamma * lrs.get(id(g), self.prox_lr) for g in gates]
+            steps = [self.gamma * lrs.get(id(g), self.prox_lr) for g in params]
             if self.penalty_kind == "mcp":
                 pull = torch._foreach_neg(magnitude)
                 torch._foreach_add_(pull, 1.0)
@@ -239,8 +258,9 @@ class RankAdaptive:
             torch._foreach_clamp_min_(magnitude, 0.0)
             torch._foreach_mul_(magnitude, torch._foreach_sign(gates))
             torch._foreach_copy_(gates, magnitude)
+        masks = self._local_masks if self._sharded else self.masks
         for name, k in self._masked:
-            self.layers[name].gates[k].mul_(self.masks[name][k].to(gates[0].dtype))
+            _dist.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
         self._penalty_t.copy_(self.penalty())
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
             self.stage = "late"
@@ -251,18 +271,23 @@ class RankAdaptive:
                 self.loss_target = self._loss_ema if self._loss_ema is not None else 0.0
         reallocated = False
         if self.steps % self.cut_every == 0:
-            self._synchronize()
-            state = self.optimizer.state if self.optimizer is not None else None
-            for name, layer in self.layers.items():
-                canonicalize(layer, state)
-                self._importance[name] = balance(layer)
-            self._switch_off()
-            if self.stage == "late":
-                self._prune_toward_target()
-            allocated = sum(m.spec.core_params() for m in self.layers.values())
-            needed = sum(self._core_params_at(name, r) for name, r in self._allocation().items())
-            if self.realloc_at is not None and allocated >= self.realloc_at * max(needed, 1):
-                reallocated = self.cut() > 0
+            with _dist.unsharded(self.model, self.layers, self.optimizer):  # FSDP2: whole tensors here
+                self._check_finite()
+                self._synchronize()
+                state = self.optimizer.state if self.optimizer is not None else None
+                for name, layer in self.layers.items():
+                    canonicalize(layer, state)
+                    self._importance[name] = balance(layer)
+                self._switch_off()
+                if self.stage == "late":
+                    self._prune_toward_target()
+                self._agree_on_masks()
+                allocated = sum(m.spec.core_params() for m in self.layers.values())
+                needed = sum(self._core_params_at(name, r) for name, r in self._allocation().items())
+                if self.realloc_at is not None and allocated >= self.realloc_at * max(needed, 1):
+                    reallocated = self.cut() > 0
+            if self._sharded:
+                self._local_masks = self._cut_masks()
         self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
         return reallocated
 
@@ -318,16 +343,54 @@ class RankAdaptive:
             self._switch(name, k, j)
         self._update_size()
 
-    def _synchronize(self) -> None:
-        """Under torch.distributed: check that the replicas still hold the same model, then take rank 0's
-        TT parameters and masks, so every process cuts the same slices."""
+    def _check_finite(self) -> None:
+        """Rounding a layer whose cores hold NaN or inf would fail deep inside an eigensolver (or, across
+        processes, look like replicas that disagree): say what happened instead."""
+        bad = [f"{name}.{pname}" for name, layer in self.layers.items() for pname, p in layer.named_parameters()
+               if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise FloatingPointError(
+                f"RankAdaptive at step {self.steps}: {len(bad)} TT parameter(s) hold NaN or inf ({bad[0]}, ...): "
+                f"training diverged.  Lower the learning rate (param_groups(model, lr=...) sets cores at 2x and "
+                f"gates at 20x it) or clip gradients")
+
+    @staticmethod
+    def _distributed() -> bool:
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def _cut_masks(self) -> dict[str, list[torch.Tensor]]:
+        """FSDP2: each mask cut to its gate's shard on this process."""
+        return {name: _dist.local_masks(self.masks[name], list(layer.gates)) for name, layer in self.layers.items()}
+
+    def _agree_on_masks(self) -> None:
+        """Under torch.distributed: every process takes rank 0's masks (its decision of what to switch off)."""
+        if not self._distributed():
             return
-        params = list(self.model.parameters())
+        import torch.distributed as dist
+
+        masks = torch.cat([m.to(torch.uint8) for ms in self.masks.values() for m in ms])
+        dist.broadcast(masks, 0)
+        offset = 0
+        for name, ms in self.masks.items():
+            for k, m in enumerate(ms):
+                m.copy_(masks[offset:offset + m.numel()] > 0)
+                offset += m.numel()
+                self.layers[name].gates[k].mul_(m.to(self.layers[name].gates[k].dtype))
+        self._update_size()
+
+    def _synchronize(self) -> None:
+        """Under torch.distributed: check that the replicas still hold the same model (the parameters each
+        process holds whole; FSDP2's shards have one owner each), then take rank 0's TT parameters and masks,
+        so every process cuts the same slices."""
+        import torch.distributed as dist
+
+        if not self._distributed():
+            return
+        params = [p for p in self.model.parameters() if not _dist.is_sharded(p)]
         fp = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                          for p in params]).flatten()
+                          for p in params]).flatten() if params else torch.zeros(2, dtype=torch.float64)
         hi, lo = fp.clone(), -fp
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         dist.all_reduce(lo, op=dist.ReduceOp.MAX)
@@ -478,10 +541,22 @@ class RankAdaptive:
         missing = set(self.layers) ^ set(state["masks"])
         if missing:
             raise ValueError(f"the checkpoint's TT layers differ from the model's: {sorted(missing)}")
+        for n, ms in state["masks"].items():
+            have = tuple(g.numel() for g in self.layers[n].gates)
+            if tuple(m.numel() for m in ms) != have:
+                raise ValueError(
+                    f"the RankAdaptive state was saved with {n} allocated at bond ranks "
+                    f"{tuple(m.numel() for m in ms)}, the model has {have}: load the model's checkpoint first "
+                    f"(comera_compile.load_checkpoint re-allocates the layers, then loads this state)")
         self.steps, self.stage, self.cuts = state["steps"], state["stage"], state["cuts"]
         self.size_target, self.loss_target = state["size_target"], state["loss_target"]
         self._last_loss, self._loss_ema = state["last_loss"], state.get("loss_ema")
-        self.masks = {n: [m.clone().to(self.layers[n].gates[k].device) for k, m in enumerate(ms)]
+        self.masks = {n: [m.clone().to(_dist.local(self.layers[n].gates[k]).device) for k, m in enumerate(ms)]
                       for n, ms in state["masks"].items()}
         self.history = [_Record(**r) for r in state["history"]]
+        self._importance = {}  # recomputed (balance) before its next use
         self._update_size()
+        if self._sharded:
+            self._local_masks = self._cut_masks()
+        with torch.no_grad():
+            self._penalty_t.copy_(self.penalty())  # loss() adds it: as after the saved run's last step

@@ -1,0 +1,305 @@
+"""A tensorized model sharded with FSDP2 (fully_shard on each encoder layer, then the root) in two gloo
+processes on CPU: it trains like one process on the whole batch, eager and with the layers compiled by
+backend "comera"; RankAdaptive at its defaults cuts ranks under it with every process agreeing; and
+distributed checkpoints taken after cuts resume at another world size as the uninterrupted run goes on."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed gloo")
+
+TIMEOUT = datetime.timedelta(seconds=120)  # a stuck collective fails the test instead of hanging it
+BATCH, SEQ, WIDTH = 8, 5, 64
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _encoder() -> nn.Module:
+    """BERT's encoder layer at reduced width (64, 4 heads, feed-forward 128), two of them, tensorized."""
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(WIDTH, 4, dim_feedforward=128, dropout=0.0, batch_first=True,
+                                       activation="gelu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8, min_features=32)
+
+
+def _shard(model: nn.Module, compiled: bool) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    if compiled:
+        for block in model.layers:
+            block.compile(backend="comera")
+    return model
+
+
+def _batches(steps: int, start: int = 0):
+    """The global batches of steps start..steps-1 (the same on every process and in every run)."""
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(WIDTH, 2, generator=g) @ torch.randn(2, WIDTH, generator=g) / 8
+    for step in range(steps):
+        x = torch.randn(BATCH, SEQ, WIDTH, generator=g)
+        if step >= start:
+            yield step, x, x @ teacher
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+
+
+def _run(rank: int, world: int, fn, *args) -> None:
+    torch.set_num_threads(1)
+    if world > 1:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args[0]}", rank=rank, world_size=world,
+                                timeout=TIMEOUT)
+    try:
+        fn(rank, world, *args[1:])
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _spawn(fn, world: int, *args) -> None:
+    if world == 1:
+        _run(0, 1, fn, None, *args)
+    else:
+        mp.spawn(_run, args=(world, fn, _free_port(), *args), nprocs=world, join=True)
+
+
+# -- training like one process ---------------------------------------------------------------------------
+STEPS = 20
+
+
+def _train(rank: int, world: int, out: str, compiled: bool) -> None:
+    """STEPS of SGD with momentum (Adam would turn the exactly-zero gradient of attention's key bias into
+    noise-driven steps that differ between any two runs), each process on its share of the batch."""
+    model = _encoder()
+    if world > 1:
+        _shard(model, compiled)
+    elif compiled:
+        for block in model.layers:
+            block.compile(backend="comera")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    per = BATCH // world
+    for _, x, y in _batches(STEPS):
+        sl = slice(rank * per, (rank + 1) * per)
+        nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
+        opt.step()
+        opt.zero_grad()
+    params = _full(model)  # a collective: every process gathers
+    if rank == 0:
+        torch.save(params, out)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fsdp2_trains_like_one_process_on_the_whole_batch(tmp_path, compiled):
+    """20 steps: every parameter within 1e-5 relative (float32; the two runs sum the gradient in a different
+    order: each process its half, then a reduce-scatter)."""
+    _spawn(_train, 2, str(tmp_path / "fsdp"), compiled)
+    torch._dynamo.reset()
+    _spawn(_train, 1, str(tmp_path / "one"), compiled)
+    sharded, single = torch.load(tmp_path / "fsdp"), torch.load(tmp_path / "one")
+    assert len(sharded) == len(single)
+    for p, q in zip(sharded, single):
+        assert p.shape == q.shape
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7
+
+
+# -- rank adaptation -------------------------------------------------------------------------------------
+RA_STEPS = 230
+
+
+def _adapt(rank: int, world: int, out: str) -> None:
+    """RankAdaptive at its defaults (a check every 100 steps) with CoMERA's AdamW groups at lr 1e-4 (at 1e-3
+    Adam amplifies the two runs' float32 summation-order differences tenfold every ~10 steps, cuts or not,
+    and the one-process comparison would measure that); before each check
+    the leading half of every bond's gates is zeroed (as the proximal step would, by hand so that the run
+    is short), so the checks at steps 100 and 200 switch them off and re-allocate."""
+    import comera_compile as cc
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _encoder()
+    if world > 1:
+        _shard(model, compiled=False)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
+    ra = cc.RankAdaptive(model, optimizer=opt)
+    per = BATCH // world
+    result: dict = {"losses": [], "cuts": [], "snapshots": []}
+    for step, x, y in _batches(RA_STEPS):
+        sl = slice(rank * per, (rank + 1) * per)
+        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+        ra.loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if step in (99, 199):
+            with torch.no_grad():
+                for layer in ra.layers.values():
+                    for gate in layer.gates:
+                        keep = torch.ones(gate.shape, dtype=gate.dtype)
+                        keep[: gate.numel() // 2] = 0
+                        gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if world > 1 else keep)
+        if ra.step():
+            result["cuts"].append(step + 1)
+            result["snapshots"].append([local.detach().clone() for local in
+                                        (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())])
+            result.setdefault("full", []).append(_full(model))
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        result["losses"].append(float(loss))
+    result["ranks"] = ra.allocated_ranks()
+    torch.save(result, f"{out}.{rank}")
+
+
+def test_rank_adaptive_under_fsdp2_cuts_alike_everywhere_and_matches_one_process(tmp_path):
+    """Two re-allocations inside the run: after each, the whole model gathered on each process is the same
+    to the bit, every TT layer smaller; the loss of every step matches the one-process run's."""
+    _spawn(_adapt, 2, str(tmp_path / "fsdp"))
+    a, b = (torch.load(tmp_path / f"fsdp.{r}") for r in range(2))
+    assert a["cuts"] == b["cuts"] == [100, 200]
+    for full_a, full_b in zip(a["full"], b["full"]):
+        assert max((p - q).abs().max().item() for p, q in zip(full_a, full_b)) == 0.0
+    _spawn(_adapt, 1, str(tmp_path / "one"))
+    one = torch.load(tmp_path / "one.0")
+    assert one["cuts"] == a["cuts"] and one["ranks"] == a["ranks"]
+    assert all(max(r) < 8 for r in a["ranks"].values()), a["ranks"]  # every layer was cut (tensorized at 8)
+    for p, q in zip(a["full"][-1], one["full"][-1]):
+        assert p.shape == q.shape
+    diff = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], one["losses"]))
+    assert diff < 1e-4, diff
+    losses = a["losses"]
+    for cut in a["cuts"]:  # training goes on: the loss falls again after each cut (mean of 10 steps, 20 apart)
+        assert sum(losses[cut + 20:cut + 30]) < sum(losses[cut:cut + 10])
+
+
+# -- distributed checkpoints -----------------------------------------------------------------------------
+CKPT_AT, CKPT_STEPS = 10, 20
+
+
+def _resumable(rank: int, world: int, out: str, mode: str, ckpt: str) -> None:
+    """mode "full": CKPT_STEPS steps; "save": the first CKPT_AT, then a checkpoint; "load": restore it and
+    run the rest.  RankAdaptive checks every 5 steps and half of every bond is zeroed at step 3, so the
+    checkpoint holds cut ranks.  No dropout: the runs must see the same numbers."""
+    import comera_compile as cc
+    from torch.distributed.tensor import distribute_tensor
+
+    model = _encoder()
+    if world > 1:
+        _shard(model, compiled=False)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
+    start = 0
+    if mode == "load":
+        cc.load_checkpoint(ckpt, model, opt, ra)
+        start = ra.steps
+    per = BATCH // world
+    losses = []
+    for step, x, y in _batches(CKPT_AT if mode == "save" else CKPT_STEPS, start):
+        sl = slice(rank * per, (rank + 1) * per)
+        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+        ra.loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            with torch.no_grad():
+                for layer in ra.layers.values():
+                    for gate in layer.gates:
+                        keep = torch.ones(gate.shape, dtype=gate.dtype)
+                        keep[: gate.numel() // 2] = 0
+                        gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if world > 1 else keep)
+        ra.step()
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+    if mode == "save":
+        assert ra.cuts >= 1
+        cc.save_checkpoint(ckpt, model, opt, ra)
+    params = _full(model)
+    with torch.no_grad():
+        probe = model(torch.randn(2, SEQ, WIDTH, generator=torch.Generator().manual_seed(7)))
+    if rank == 0:
+        torch.save({"losses": losses, "params": params, "probe": probe, "ranks": ra.allocated_ranks(),
+                    "steps": ra.steps}, out)
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (2, 2), (1, 2)], ids=["2to1", "2to2", "1to2"])
+def test_distributed_checkpoint_resumes_at_any_world_size(tmp_path, save_world, load_world):
+    """Save at step 10 (after a cut) on save_world processes, resume on load_world: the next 10 steps'
+    losses and the final model match the uninterrupted run on save_world processes: to the bit when the
+    world size is the same; otherwise the losses and the model's output on a probe batch within 1e-5
+    relative (float32 sums in another order)."""
+    ckpt = str(tmp_path / "ckpt")
+    _spawn(_resumable, save_world, str(tmp_path / "full"), "full", "")
+    _spawn(_resumable, save_world, str(tmp_path / "first"), "save", ckpt)
+    _spawn(_resumable, load_world, str(tmp_path / "rest"), "load", ckpt)
+    full, rest = torch.load(tmp_path / "full"), torch.load(tmp_path / "rest")
+    assert rest["steps"] == full["steps"] == CKPT_STEPS and rest["ranks"] == full["ranks"]
+    assert len(rest["losses"]) == CKPT_STEPS - CKPT_AT
+    if save_world == load_world:
+        assert rest["losses"] == full["losses"][CKPT_AT:]
+        assert all(torch.equal(p, q) for p, q in zip(rest["params"], full["params"]))
+    else:
+        for x, y in zip(rest["losses"], full["losses"][CKPT_AT:]):
+            assert abs(x - y) <= 1e-5 * abs(y)
+        # the function, not the parameters: rounding (an SVD) may choose other signs for a bond's singular
+        # vectors when its input differs in the last bits, which changes the cores but not the layer
+        assert (rest["probe"] - full["probe"]).norm() <= 1e-5 * full["probe"].norm()
+
+
+def test_a_checkpoint_does_not_load_into_smaller_ranks(tmp_path):
+    """A model built at ranks below the checkpoint's cannot hold it: a clear error, the model untouched."""
+    import comera_compile as cc
+
+    ckpt = str(tmp_path / "ckpt")
+    cc.save_checkpoint(ckpt, _encoder())
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(WIDTH, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        small = cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=4, min_features=32)
+    before = [p.detach().clone() for p in small.parameters()]
+    with pytest.raises(ValueError, match="cannot grow"):
+        cc.load_checkpoint(ckpt, small)
+    assert all(torch.equal(p, q) for p, q in zip(before, small.parameters()))
+
+
+def test_fused_optimizer_choice_falls_back_to_foreach_for_sharded_parameters(tmp_path):
+    """param_groups asks for the fused implementation, which DTensor cannot run: sharded groups get foreach."""
+    _spawn(_fused_worker, 2, str(tmp_path / "groups"))
+    groups = torch.load(tmp_path / "groups")
+    assert groups and all(g["foreach"] and not g.get("fused") for g in groups)
+
+
+def _fused_worker(rank: int, world: int, out: str) -> None:
+    import comera_compile as cc
+
+    model = _shard(_encoder(), compiled=False)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    x = torch.randn(BATCH // world, SEQ, WIDTH)
+    model(x).square().mean().backward()
+    opt.step()
+    if rank == 0:
+        torch.save([{k: v for k, v in g.items() if k in ("foreach", "fused")} for g in opt.param_groups], out)
