@@ -90,8 +90,8 @@ class RankAdaptive:
     rounding and cut check every 100 steps, and a
     re-allocation when at least half the allocated TT parameters are switched off (``realloc_at``; None
     keeps the allocation until an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training, such
-    as FSDP or the transformers Trainer).  ``prox_lr`` is the gate learning rate the proximal step assumes
-    while no optimizer is attached.  ``share_allocation`` (default) re-allocates layers of equal shape at
+    as the transformers Trainer's; under FSDP2 a re-allocation re-shards in place, see distributed.py).
+    ``prox_lr`` is the gate learning rate the proximal step assumes while no optimizer is attached.  ``share_allocation`` (default) re-allocates layers of equal shape at
     equal ranks (the largest active rank among them, bond by bond; the rest of a layer's extra slices stay
     switched off), so repeated blocks keep sharing one compiled graph and a re-allocation costs one
     recompile, not one per block; False allocates every layer at its own active ranks.

@@ -436,6 +436,19 @@ def test_cut_without_the_optimizer_is_an_error_at_its_next_step():
     ra.attach(opt2)
 
 
+def test_diverged_training_is_named_at_the_next_check():
+    """A NaN in the cores used to surface as an eigensolver failure deep in rounding (or, under DDP, as
+    replicas that disagree): the check says what happened and what to do."""
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, cut_every=2)
+    assert not ra.step()
+    with torch.no_grad():
+        next(iter(ra.layers.values())).cores[1][0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match="training diverged.*Lower the learning rate"):
+        ra.step()
+
+
 @pytest.mark.parametrize("opt_cls,implementation", [(torch.optim.AdamW, "fused"), (torch.optim.RMSprop, "foreach")])
 def test_optimizer_built_from_param_groups_takes_its_fast_implementation(opt_cls, implementation):
     """An optimizer built from param_groups runs fused (else foreach) kernels from its first step, with the
