@@ -74,6 +74,8 @@ def _run(rank: int, world: int, fn, *args) -> None:
                                 timeout=TIMEOUT)
     try:
         fn(rank, world, *args[1:])
+        if world > 1:
+            dist.barrier()  # no process tears its connections down while a peer still talks to it
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -126,6 +128,19 @@ def test_fsdp2_trains_like_one_process_on_the_whole_batch(tmp_path, compiled):
 
 
 # -- rank adaptation -------------------------------------------------------------------------------------
+@torch.no_grad()
+def _zero_leading_halves(ra) -> None:
+    """Zero the leading half of every bond's gates (sharded or not), as the proximal step would in time."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for layer in ra.layers.values():
+        for gate in layer.gates:
+            keep = torch.ones(gate.shape, dtype=gate.dtype)
+            keep[: gate.numel() // 2] = 0
+            sharded = isinstance(gate, DTensor)
+            gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if sharded else keep)
+
+
 RA_STEPS = 230
 
 
@@ -136,7 +151,6 @@ def _adapt(rank: int, world: int, out: str) -> None:
     the leading half of every bond's gates is zeroed (as the proximal step would, by hand so that the run
     is short), so the checks at steps 100 and 200 switch them off and re-allocate."""
     import comera_compile as cc
-    from torch.distributed.tensor import distribute_tensor
 
     model = _encoder()
     if world > 1:
@@ -152,12 +166,7 @@ def _adapt(rank: int, world: int, out: str) -> None:
         opt.step()
         opt.zero_grad()
         if step in (99, 199):
-            with torch.no_grad():
-                for layer in ra.layers.values():
-                    for gate in layer.gates:
-                        keep = torch.ones(gate.shape, dtype=gate.dtype)
-                        keep[: gate.numel() // 2] = 0
-                        gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if world > 1 else keep)
+            _zero_leading_halves(ra)
         if ra.step():
             result["cuts"].append(step + 1)
             result["snapshots"].append([local.detach().clone() for local in
@@ -202,7 +211,6 @@ def _resumable(rank: int, world: int, out: str, mode: str, ckpt: str) -> None:
     run the rest.  RankAdaptive checks every 5 steps and half of every bond is zeroed at step 3, so the
     checkpoint holds cut ranks.  No dropout: the runs must see the same numbers."""
     import comera_compile as cc
-    from torch.distributed.tensor import distribute_tensor
 
     model = _encoder()
     if world > 1:
@@ -222,12 +230,7 @@ def _resumable(rank: int, world: int, out: str, mode: str, ckpt: str) -> None:
         opt.step()
         opt.zero_grad()
         if step == 3:
-            with torch.no_grad():
-                for layer in ra.layers.values():
-                    for gate in layer.gates:
-                        keep = torch.ones(gate.shape, dtype=gate.dtype)
-                        keep[: gate.numel() // 2] = 0
-                        gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if world > 1 else keep)
+            _zero_leading_halves(ra)
         ra.step()
         loss = loss.detach()
         if world > 1:
