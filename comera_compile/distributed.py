@@ -20,6 +20,7 @@ new shape: torch has no public call that re-shards one parameter of a sharded mo
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Iterator
 
 import torch
@@ -29,6 +30,7 @@ __all__ = ["is_sharded", "local", "local_masks", "shard_like", "unsharded", "che
            "load_checkpoint", "checkpoint_ranks", "resize_ranks"]
 
 
+@functools.cache
 def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor

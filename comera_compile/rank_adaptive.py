@@ -242,7 +242,8 @@ class RankAdaptive:
                 for name, layer in self.layers.items():
                     self._importance[name] = balance(layer)
         params = [g for layer in self.layers.values() for g in layer.gates]
-        gates = [_dist.local(g) for g in params]  # FSDP2: this process's shards (the update is elementwise)
+        # FSDP2: this process's shards (the update is elementwise)
+        gates = [_dist.local(g) for g in params] if self._sharded else params
         if shrinking:  # shrink every gate by gamma x its lr x the penalty's pull, as multi-tensor ops
             lrs = self._gate_lrs()
             magnitude = torch._foreach_abs(gates)
@@ -260,7 +261,8 @@ class RankAdaptive:
             torch._foreach_copy_(gates, magnitude)
         masks = self._local_masks if self._sharded else self.masks
         for name, k in self._masked:
-            _dist.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
+            gates_k = self.layers[name].gates[k]
+            (_dist.local(gates_k) if self._sharded else gates_k).mul_(masks[name][k].to(gates[0].dtype))
         self._penalty_t.copy_(self.penalty())
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
             self.stage = "late"
