@@ -202,12 +202,12 @@ class TTEmbedding(TTLayer):
         concrete = flat.numel() > 0 and _has_data(flat) if dedupe is None else dedupe
         if concrete:
             keys, inverse = torch.unique(flat, return_inverse=True)
-            groups, program = networks.ttm_lookup_program(self.spec.key(), keys.shape[0], training, True)
+            groups, program = networks.ttm_lookup_program(self.spec.token, keys.shape[0], training, True)
         else:
             keys, inverse = flat, None
             # Compiling (the row count may be symbolic, and a plan per count would recompile per batch size):
             # the plan of a typical batch, which computes the same rows as any other.
-            groups, program = networks.ttm_lookup_program(self.spec.key(), EXPORT_ROWS, training, False)
+            groups, program = networks.ttm_lookup_program(self.spec.token, EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
             out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)

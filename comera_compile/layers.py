@@ -264,7 +264,7 @@ class TTLinear(TTLayer):
         """The gated cores as the contraction takes them: zero-padded to gemm_spec's ranks, boundary
         ranks dropped."""
         cores = self.gated_cores()
-        for k, pad in enumerate(gemm_core_padding(self.spec.key())):
+        for k, pad in enumerate(gemm_core_padding(self.spec.token)):
             if pad is not None:
                 cores[k] = F.pad(cores[k], pad)
         cores[0] = cores[0].reshape(cores[0].shape[1], cores[0].shape[2])
@@ -292,7 +292,7 @@ class TTLinear(TTLayer):
         elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
-            thresholds, programs = networks.tt_linear_segments(spec.key(), training, x.requires_grad)
+            thresholds, programs = networks.tt_linear_segments(spec.token, training, x.requires_grad)
             segment = 0
             for t in thresholds:
                 if rows >= t:

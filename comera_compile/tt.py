@@ -105,6 +105,11 @@ class TTSpec:
     out_modes: tuple[int, ...]
     ranks: tuple[int, ...]
     max_ranks: tuple[int, ...] = field(compare=False)
+    # key() as text, made once: what the layers hand the planner's constant functions under torch.compile.
+    token: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token", repr(self.key()))
 
     @property
     def in_padded(self) -> int:
@@ -142,20 +147,34 @@ class TTSpec:
         return self.in_features * self.out_features
 
     def key(self) -> tuple:
-        """The spec as a tuple of plain values.  The layers pass this, not the spec, to the planner's
-        constant functions under torch.compile: dynamo guards a tuple by value (a spec object by identity),
-        so layers of equal shapes share one compiled graph and a rank cut to equal ranks reuses it."""
+        """The spec as a tuple of plain values (``token`` is its text)."""
         return (self.kind, self.in_features, self.out_features, self.in_modes, self.out_modes, self.ranks,
                 self.max_ranks)
 
     @staticmethod
-    def of(spec: "TTSpec | tuple") -> "TTSpec":
-        """A spec, or the spec of a key()."""
-        return spec if isinstance(spec, TTSpec) else TTSpec(*spec)
+    def of(spec: "TTSpec | tuple | str") -> "TTSpec":
+        """A spec, or the spec of a key() or of a token.
+
+        The layers pass ``spec.token``, not the spec, to the planner's constant functions under
+        torch.compile: dynamo guards a string by value (a spec object by identity), so layers of equal
+        shapes share one compiled graph and a rank cut to equal ranks reuses it.  A string, unlike a tuple
+        of ints, is never made symbolic: dynamo turns an int that changed between compiles into a SymInt
+        when it is read from a module that FSDP2 manages (its ints are not specialized as other modules'
+        are), and a cut changes the ranks."""
+        if isinstance(spec, TTSpec):
+            return spec
+        return _spec_of_token(spec) if isinstance(spec, str) else TTSpec(*spec)
 
     def with_ranks(self, ranks: Sequence[int]) -> "TTSpec":
         return TTSpec(self.kind, self.in_features, self.out_features, self.in_modes, self.out_modes,
                       tuple(int(r) for r in ranks), self.max_ranks)
+
+
+@lru_cache(maxsize=4096)
+def _spec_of_token(token: str) -> TTSpec:
+    import ast
+
+    return TTSpec(*ast.literal_eval(token))
 
 
 def gemm_ranks(ranks: Sequence[int], multiple: int | None = None) -> tuple[int, ...]:
@@ -188,8 +207,8 @@ def gemm_spec(spec: TTSpec) -> TTSpec:
 
 
 @constant_under_compile
-def gemm_core_padding(spec: TTSpec | tuple) -> tuple[tuple[int, ...] | None, ...]:
-    """rank_padding of every core of spec (or its key()) to gemm_spec(spec)'s ranks (a constant under
+def gemm_core_padding(spec: TTSpec | tuple | str) -> tuple[tuple[int, ...] | None, ...]:
+    """rank_padding of every core of spec (or its key() or token) to gemm_spec(spec)'s ranks (a constant under
     torch.compile)."""
     spec = TTSpec.of(spec)
     target = gemm_spec(spec)

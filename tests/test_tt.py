@@ -276,3 +276,18 @@ def test_cores_to_dense_round_trips_svd_cores_with_padding():
     assert [tuple(c.shape) for c in cores] == spec.core_shapes
     gates = [torch.ones(r, dtype=torch.float64) for r in spec.gate_sizes]
     assert rel_err(tt.cores_to_dense(cores, gates, spec), w_t) < 1e-12
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(["tt", "ttm"]), n_in=st.integers(8, 3000), n_out=st.integers(8, 3000),
+       rank=st.integers(1, 40), cut=st.integers(0, 5))
+def test_spec_token_names_the_same_spec(kind, n_in, n_out, rank, cut):
+    """The text key the layers hand the planner under torch.compile gives back the spec it came from, cut
+    ranks and caps included, and equal specs give equal tokens."""
+    spec = tt.make_spec(kind, n_in, n_out, rank)
+    spec = spec.with_ranks([1, *(max(1, r - cut) for r in spec.ranks[1:-1]), 1])
+    back = tt.TTSpec.of(spec.token)
+    assert back == spec and back.max_ranks == spec.max_ranks and back.token == spec.token
+    assert tt.TTSpec.of(spec.key()) == spec
+    assert tt.gemm_core_padding(spec.token) == tt.gemm_core_padding(spec)
+    assert tt.make_spec(kind, n_in, n_out, rank).token == tt.make_spec(kind, n_in, n_out, rank).token

@@ -169,9 +169,9 @@ def lookup_bucket(rows: int) -> int:
 
 
 @constant_under_compile
-def ttm_lookup_program(spec: TTSpec | tuple, rows: int, training: bool = True, dedupe: bool = True
+def ttm_lookup_program(spec: TTSpec | tuple | str, rows: int, training: bool = True, dedupe: bool = True
                        ) -> tuple[tuple[Group, ...], Program]:
     """(groups, program) of plan_ttm_lookup, as a constant under torch.compile (spec may be a
-    TTSpec.key())."""
+    TTSpec.key() or its token)."""
     plan = plan_ttm_lookup(TTSpec.of(spec), lookup_bucket(rows), training, dedupe)
     return plan.groups, plan.program

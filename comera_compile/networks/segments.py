@@ -28,7 +28,7 @@ def tt_linear_program(spec: TTSpec, rows: int, training: bool = True, input_requ
 
 
 @constant_under_compile
-def tt_linear_segments(spec: TTSpec | tuple, training: bool = True,
+def tt_linear_segments(spec: TTSpec | tuple | str, training: bool = True,
                        input_requires_grad: bool = True) -> tuple[tuple[int, ...], tuple[Program, ...]]:
     """Every row count's best plan, as (thresholds, programs): rows < thresholds[0] use programs[0],
     thresholds[0] <= rows < thresholds[1] programs[1], and so on.
@@ -37,7 +37,7 @@ def tt_linear_segments(spec: TTSpec | tuple, training: bool = True,
     intervals are found exactly by bisection between sampled row counts.  Under torch.compile this is a
     constant, and comparing the (possibly symbolic) row count with the thresholds picks the program: a
     dynamic batch dimension recompiles only where the best plan changes, never per size.  Like
-    tt_linear_program, the programs run at gemm_spec(spec)'s ranks.  spec may be a TTSpec.key()."""
+    tt_linear_program, the programs run at gemm_spec(spec)'s ranks.  spec may be a TTSpec.key() or its token."""
     return _segments(gemm_spec(TTSpec.of(spec)), training, input_requires_grad)
 
 

@@ -100,7 +100,7 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                 return graph.create_node(op, target, args, name=f"{prefix}_{suffix}")
 
             ops = []
-            paddings = gemm_core_padding(mod.spec.key())
+            paddings = gemm_core_padding(mod.spec.token)
             for k, shape_k in enumerate(spec.core_shapes):
                 core = graph.get_attr(f"{node.target}.cores.{k}")
                 if k < len(spec.gate_sizes):
