@@ -172,7 +172,7 @@ def unsharded(model: nn.Module, layers: dict[str, Any], optimizer: torch.optim.O
 
 def _shard_back(model: nn.Module, entries: list, optimizer: torch.optim.Optimizer | None) -> None:
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import distribute_tensor
 
     pairs: list[tuple[nn.Parameter, Any]] = []   # (plain Parameter now in the model, its sharded Parameter)
     replaced: dict[int, tuple[Any, nn.Parameter]] = {}
@@ -200,9 +200,7 @@ def _shard_back(model: nn.Module, entries: list, optimizer: torch.optim.Optimize
             st = state.pop(plain, None)
             if st is None:
                 continue
-            state[sharded] = {k: (DTensor.from_local(shard_like(v, sharded), sharded.device_mesh,
-                                                     sharded.placements, run_check=False, shape=sharded.shape,
-                                                     stride=sharded.stride())
+            state[sharded] = {k: (distribute_tensor(v, sharded.device_mesh, sharded.placements)
                                   if isinstance(v, torch.Tensor) and v.shape == sharded.shape and v.dim() > 0
                                   else v)
                               for k, v in st.items()}

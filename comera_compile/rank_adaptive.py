@@ -287,7 +287,7 @@ class RankAdaptive:
                 allocated = sum(m.spec.core_params() for m in self.layers.values())
                 needed = sum(self._core_params_at(name, r) for name, r in self._allocation().items())
                 if self.realloc_at is not None and allocated >= self.realloc_at * max(needed, 1):
-                    reallocated = self.cut() > 0
+                    reallocated = self._cut(None) > 0
             if self._sharded:
                 self._local_masks = self._cut_masks()
         self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
@@ -452,7 +452,16 @@ class RankAdaptive:
         Parameters.  Returns the number of parameters removed.  An optimizer that still holds a replaced
         Parameter raises at its next step.  When sharing (default: ``share_allocation``) a layer keeps as
         many slices as the largest active rank among the layers of its shape, its extra ones still switched
-        off; ``share=False`` (the end of training: the smallest model) keeps only the active ones."""
+        off; ``share=False`` (the end of training: the smallest model) keeps only the active ones.  Under
+        FSDP2 the cut cores are re-sharded in place, as a re-allocation in ``step()`` does (call it on every
+        process)."""
+        with _dist.unsharded(self.model, self.layers, self.optimizer):  # FSDP2: whole tensors here
+            removed = self._cut(share)
+        if self._sharded:
+            self._local_masks = self._cut_masks()
+        return removed
+
+    def _cut(self, share: bool | None) -> int:
         before = sum(m.tt_params() for m in self.layers.values())
         state = self.optimizer.state if self.optimizer is not None else {}
         retired: list[torch.Tensor] = []
