@@ -41,6 +41,29 @@ def _encoder() -> nn.Module:
         return cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8, min_features=32)
 
 
+class _Stack(nn.Module):
+    """Two encoder layers of user code (the demo's, not torch's built-in layer class)."""
+
+    def __init__(self) -> None:
+        from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
+
+        super().__init__()
+        c = SixEncoderConfig(d_model=WIDTH, heads=4, ffn=128, layers=2, dropout=0.0)
+        self.layers = nn.ModuleList([EncoderLayer(c) for _ in range(c.layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, None)
+        return x
+
+
+def _user_encoder() -> nn.Module:
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    return cc.tensorize(_Stack(), rank=8, min_features=32)
+
+
 def _shard(model: nn.Module, compiled: bool) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
@@ -202,6 +225,51 @@ def test_rank_adaptive_under_fsdp2_cuts_alike_everywhere_and_matches_one_process
         assert sum(losses[cut + 20:cut + 30]) < sum(losses[cut:cut + 10])
 
 
+def _adapt_compiled(rank: int, world: int, out: str) -> None:
+    """The blocks compiled by backend "comera", a re-allocation at step 5 (half of every bond zeroed just
+    before), then training on the cut cores: the recompile must see the new ranks as constants (dynamo does not
+    specialize the ints of modules FSDP2 manages, so a rank read as an int would turn symbolic)."""
+    import comera_compile as cc
+
+    model = _user_encoder()
+    if world > 1:
+        _shard(model, compiled=False)
+    for block in model.layers:
+        block.compile(backend="comera", fullgraph=True)  # a graph break would be an error
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
+    per = BATCH // world
+    losses, reallocated = [], []
+    for step, x, y in _batches(10):
+        sl = slice(rank * per, (rank + 1) * per)
+        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+        ra.loss(loss).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 4:
+            _zero_leading_halves(ra)
+        if ra.step():
+            reallocated.append(step + 1)
+        loss = loss.detach()
+        if world > 1:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))
+    if rank == 0:
+        torch.save({"losses": losses, "reallocated": reallocated, "ranks": ra.allocated_ranks()}, out)
+
+
+def test_rank_adaptive_under_fsdp2_with_compiled_blocks_recompiles_at_the_new_ranks(tmp_path):
+    _spawn(_adapt_compiled, 2, str(tmp_path / "fsdp"))
+    torch._dynamo.reset()
+    _spawn(_adapt_compiled, 1, str(tmp_path / "one"))
+    sharded, one = torch.load(tmp_path / "fsdp"), torch.load(tmp_path / "one")
+    assert sharded["reallocated"] == one["reallocated"] == [5]
+    assert sharded["ranks"] == one["ranks"]
+    for x, y in zip(sharded["losses"], one["losses"]):
+        assert abs(x - y) <= 1e-4 * abs(y)
+
+
 # -- distributed checkpoints -----------------------------------------------------------------------------
 CKPT_AT, CKPT_STEPS = 10, 20
 
@@ -306,3 +374,25 @@ def _fused_worker(rank: int, world: int, out: str) -> None:
     opt.step()
     if rank == 0:
         torch.save([{k: v for k, v in g.items() if k in ("foreach", "fused")} for g in opt.param_groups], out)
+
+
+def _submodule_worker(rank: int, world: int, out: str) -> None:
+    import comera_compile as cc
+
+    model = _shard(_encoder(), compiled=False)
+    try:
+        cc.RankAdaptive(model.layers[0].linear1)   # a TT layer inside a sharded block, not the sharded module
+    except ValueError as e:
+        message = str(e)
+    else:
+        message = ""
+    if rank == 0:
+        torch.save(message, out)
+
+
+def test_rank_adaptive_on_a_part_of_a_sharded_model_says_what_to_give_it(tmp_path):
+    """A cut must re-shard through the FSDP2 group that holds the cores; given a submodule below the one
+    fully_shard was applied to, RankAdaptive cannot reach that group: a clear error at construction."""
+    _spawn(_submodule_worker, 2, str(tmp_path / "message"))
+    message = torch.load(tmp_path / "message")
+    assert "Give RankAdaptive the module fully_shard was applied to" in message, message
