@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 EXAMPLES = ("six-encoder",)
 CUDA_DEMO_BATCH = 32   # demo --device cuda: the paper's MNLI batch, unless --batch says otherwise
@@ -153,7 +154,33 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
+def _launch(nproc: int, argv: list[str], device: str, batch: int) -> int:
+    """`demo --nproc N`: the same command under torchrun on N local processes (its options but --nproc)."""
+    import subprocess
+
+    if nproc < 1:
+        raise SystemExit(f"comera-compile demo: --nproc must be at least 1, got {nproc}")
+    if batch % nproc:
+        raise SystemExit(f"comera-compile demo: --batch {batch} does not split evenly over {nproc} processes; give a "
+                         f"global batch that is a multiple of --nproc (e.g. --batch {-(-batch // nproc) * nproc})")
+    if device == "cuda" and torch.cuda.device_count() < nproc:
+        raise SystemExit(f"comera-compile demo: --nproc {nproc} --device cuda needs {nproc} GPUs, this machine "
+                         f"shows {torch.cuda.device_count()}")
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "comera_compile", *rest]
+    print("comera-compile demo: " + " ".join(["torchrun", *cmd[3:]]), flush=True)
+    return subprocess.call(cmd)
+
+
+def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     from comera_compile.examples import code_mlm
 
     given = {name: getattr(args, name) for name in _DEMO_OPTIONS if getattr(args, name) is not None}
@@ -165,9 +192,13 @@ def _demo(args: argparse.Namespace) -> int:
         given["batch"] = CUDA_DEMO_BATCH   # a GPU wants more rows per step than the CPU default
     if args.steps is not None and args.minutes is None:
         given["minutes"] = None  # --steps alone: a step budget, not the preset's time budget with a step cap
-    _set_threads("demo", args.threads)
     try:
-        code_mlm.run(code_mlm.preset(args.preset, **given))
+        cfg = code_mlm.preset(args.preset, **given)
+        if args.nproc is not None and "WORLD_SIZE" not in os.environ:  # not yet under torchrun: start it
+            cfg.check()
+            return _launch(args.nproc, argv, cfg.device, cfg.batch)
+        _set_threads("demo", args.threads)
+        code_mlm.run(cfg)
     except code_mlm.DemoError as e:
         raise SystemExit(f"comera-compile demo: {e}") from e
     return 0
@@ -176,10 +207,11 @@ def _demo(args: argparse.Namespace) -> int:
 # Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
 _DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
                  "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
-                 "dense_backend", "device")
+                 "dense_backend", "device", "parallel")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (its subcommands demo, inspect and bench)."""
     parser = argparse.ArgumentParser(prog="comera-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="masked-language-model pretraining on code, dense vs CoMERA side by side",
@@ -229,6 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help=f"where both models train (default cpu); cuda also makes --batch default to "
                         f"{CUDA_DEMO_BATCH} and times each step to the end of its GPU work")
+    d.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train data-parallel on N local processes (started through torchrun; gloo on CPU, nccl on "
+                        "CUDA), each on its rows of every global batch of --batch rows; on several machines "
+                        "run torchrun -m comera_compile demo yourself (README: Distributed)")
+    d.add_argument("--parallel", choices=("ddp", "fsdp"), default=None,
+                   help="with several processes: DistributedDataParallel (default) or FSDP2 (fully_shard per "
+                        "encoder layer, then the model)")
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -265,13 +304,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="instead of the suite, time each TT layer (forward and backward) of the six-encoder's eager "
                         "training step at BATCH x 128 (default 8) under torch's profiler: cc.profile's table")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = build_parser().parse_args(argv)
     if args.command == "inspect":
         return _inspect(args)
     if args.command == "bench":
         return _bench(args)
     if args.command == "demo":
-        return _demo(args)
+        return _demo(args, argv)
     return 2
 
 

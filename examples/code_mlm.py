@@ -25,6 +25,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
+from comera_compile.examples.demo_dist import PARALLEL, World, from_env, shutdown
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
@@ -87,6 +88,9 @@ class DemoConfig:
     cut_every: int = 100  # RankAdaptive's rounding and switch-off check, in steps
     progress: bool = True
     device: str = "cpu"  # "cuda": both models train on the GPU (comera-compile demo --device cuda)
+    # Under torchrun (or comera-compile demo --nproc N): how the processes share the training, each on its
+    # rows of every global batch of `batch` rows: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2).
+    parallel: str = "ddp"
 
     def model_size(self) -> ModelSize:
         if self.size not in SIZES:
@@ -121,6 +125,7 @@ class DemoConfig:
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
             (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
             (self.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {self.device!r}"),
+            (self.parallel in PARALLEL, f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"),
             (self.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
         ]
@@ -247,27 +252,47 @@ def default_out_dir() -> Path:
 
 def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole demo: data, both trainings (dense first; CoMERA is also evaluated at dense's step count),
-    and the table, PNG and JSON in cfg.out."""
+    and the table, PNG and JSON in cfg.out.  Started by torchrun, every process runs it, each training on
+    its rows of every global batch (cfg.parallel: DDP or FSDP2); the first process logs and writes."""
+    cfg.check()
+    world = from_env(cfg.device, cfg.parallel)
+    clean = False
+    try:
+        if world.size > 1 and cfg.batch % world.size:
+            raise DemoError(f"--batch {cfg.batch} does not split evenly over {world.size} processes; give a "
+                            f"global batch that is a multiple of the process count (e.g. --batch "
+                            f"{-(-cfg.batch // world.size) * world.size})")
+        result = _run(cfg, world, log if world.main else (lambda _: None))
+        clean = True
+        return result
+    finally:
+        shutdown(world, clean)
+
+
+def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str, Any]:
     from comera_compile.examples import demo_report
 
-    cfg.check()
     t_start = time.perf_counter()
     out = Path(cfg.out) if cfg.out is not None else default_out_dir()
     if out.exists() and not out.is_dir():
         raise DemoError(f"--out {str(out)!r} is a file; give a directory (created if missing)")
     data, corpus, corpus_info = prepare_data(cfg, log)
     dense, tt = build_models(cfg, data.vocab_size)
-    dense, tt = dense.to(cfg.device), tt.to(cfg.device)
-    data.heldout = [tuple(t.to(cfg.device) for t in b) for b in data.heldout]
+    device = world.device(cfg.device)
+    dense, tt = dense.to(device), tt.to(device)
+    data.heldout = [tuple(t.to(device) for t in b) for b in data.heldout]
     dense_encoder, dense_total = encoder_params(dense), total_params(dense)
     budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
     log(f"model: size {cfg.size!r} {asdict(cfg.model_size())}; encoder {dense_encoder:,} dense parameters, "
         f"{encoder_params(tt):,} as TT; budget {budget} per model, "
-        + (torch.cuda.get_device_name(cfg.device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)"))
+        + (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")
+        + (f" per process, {world.size} processes ({cfg.parallel.upper()}), {cfg.batch // world.size} rows each "
+           f"of every global batch of {cfg.batch}" if world.size > 1 else ""))
     runs: dict[str, dict[str, Any]] = {}
-    runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder)
+    runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder, world=world)
     del dense  # its memory is not the CoMERA run's
-    runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],))
+    runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],),
+                               world=world)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     result = {
@@ -277,12 +302,15 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
         "corpus": corpus_info,
         "dense_params": {"encoder": dense_encoder, "model": dense_total},
         "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(cfg.device) if cfg.device == "cuda" else "cpu",
+        "processes": world.size,
+        "device": torch.cuda.get_device_name(device) if cfg.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "runs": runs,
     }
     result["summary"] = demo_report.summarize(result)
     result["wall_time_s"] = time.perf_counter() - t_start
+    if not world.main:
+        return result
     out.mkdir(parents=True, exist_ok=True)
     paths = {"table": out / "table.md", "plot": out / "curves.png", "json": out / "results.json"}
     result["files"] = {k: str(v) for k, v in paths.items()}

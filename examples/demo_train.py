@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import mask_batch
+from comera_compile.examples.demo_dist import World, agree, unwrap, wrap
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -107,14 +108,15 @@ def _active_encoder_params(model: nn.Module, ra: Any) -> int:
 
 
 def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_encoder: int,
-              eval_steps: tuple[int, ...] = ()) -> dict[str, Any]:
+              eval_steps: tuple[int, ...] = (), world: World = World()) -> dict[str, Any]:
     """Train `model` for cfg's budget (minutes and/or steps); returns its history and figures.
 
     name "comera": the model is tensorized, RankAdaptive runs at its defaults and the encoder layers compile
     with backend "comera" (one compiled layer serves them all).  Otherwise the dense model trains with
     cfg.dense_lr, eagerly or compiled by cfg.dense_backend.  Held-out evaluations run at cfg.evals equal
     marks of the budget and at eval_steps (the other model's step count, for a comparison at equal steps);
-    the clock stops while they run."""
+    the clock stops while they run.  With several processes (`world`), each trains on its rows of every
+    global batch with the model wrapped by DDP or FSDP2, and the figures are every process's alike."""
     import comera_compile as cc
     from tqdm.auto import tqdm
 
@@ -124,6 +126,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    forward = wrap(model, world)  # the module a step calls (FSDP2 shards `model` itself, before compiling)
     if comera:
         opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
         ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, cut_every=cfg.cut_every, optimizer=opt)
@@ -137,7 +140,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     if backend is not None:
         for layer in model.layers:  # regional compilation: one compiled layer serves every layer
             layer.compile(backend=backend, fullgraph=True)
-    execution = f"torch.compile {backend!r}, per layer" if backend is not None else "eager"
+    execution = (f"torch.compile {backend!r}, per layer" if backend is not None else "eager") + world.describe()
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     if budget is not None:
@@ -156,7 +159,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     compiling, compile_steps = True, []  # steps that (re)compiled: the first, and the first after a re-allocation
     rss_peak = _rss_bytes() or 0
     total = cfg.steps if budget is None else None
-    bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}", disable=not cfg.progress,
+    bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}",
+               disable=not (cfg.progress and world.main),
                dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr,
                unit="step" if total is not None else "s")
 
@@ -170,23 +174,26 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
                       "encoder_params": enc})
 
     model.train()
+    rows = world.rows(cfg.batch)
     step = 0
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
-        inputs, positions, labels = (t.to(device, non_blocking=True) for t in next(stream))
+        inputs, positions, labels = (t[rows].to(device, non_blocking=True) for t in next(stream))
         if first_batch is None:
             first_batch = (inputs, positions, labels)
         sync()
         t0 = time.perf_counter()
-        task = _task_loss(model, inputs, positions, labels, data.vocab_size)
+        task = _task_loss(forward, inputs, positions, labels, data.vocab_size)
         loss = ra.loss(task) if ra is not None else task
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
         reallocated = ra.step() if ra is not None else False
+        if reallocated and forward is not model:
+            forward = wrap(unwrap(forward), world)  # DDP holds the replaced Parameters: a new wrapper
         sync()   # on CUDA the step's time is its device work's
-        dt = time.perf_counter() - t0
+        dt, step_loss = agree(world, time.perf_counter() - t0, float(task.detach()))
         elapsed += dt
         if compiling and backend is not None:
             compile_steps.append(step - 1)
@@ -199,7 +206,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
         history["step"].append(step)
         history["time_s"].append(elapsed)
-        history["loss"].append(float(task.detach()))
+        history["loss"].append(step_loss)
         history["step_time_s"].append(dt)
         history["active_tt_params"].append(active_tt())
         history["encoder_compression"].append(dense_encoder / enc)

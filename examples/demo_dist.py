@@ -1,0 +1,124 @@
+"""The demo on several processes: the process group torchrun's environment describes, the model wrapped for
+data-parallel training (DistributedDataParallel or FSDP2), and the few values every process must agree on.
+
+Every process builds the same data, models and global batches (one seed) and trains on its own rows of each
+global batch.  Each row has the same number of masked tokens, so the mean of the processes' losses is the
+one-process loss of the whole batch, and data-parallel training follows the one-process run of the same
+global batch up to float32 summation order.  The clock that decides the time budget and the evaluation marks
+is the slowest process's, so every process takes the same number of steps.
+
+Used by comera_compile.examples.code_mlm (``comera-compile demo --nproc N`` or ``torchrun -m comera_compile
+demo``) and demo_train.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "unwrap", "agree"]
+
+PARALLEL = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the demo's processes (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    parallel: str = "ddp"   # how a model is wrapped when size > 1: "ddp" or "fsdp"
+    owns_group: bool = False  # the process group was created here (and is destroyed by shutdown)
+
+    @property
+    def main(self) -> bool:
+        """The process that logs and writes the outputs."""
+        return self.rank == 0
+
+    def rows(self, batch: int) -> slice:
+        """This process's rows of a global batch of `batch` rows."""
+        per = batch // self.size
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def device(self, kind: str) -> torch.device:
+        """The device this process trains on: its own GPU (torchrun's LOCAL_RANK) for "cuda"."""
+        return torch.device("cuda", self.local_rank) if kind == "cuda" else torch.device(kind)
+
+    def describe(self) -> str:
+        return "" if self.size == 1 else f", {self.parallel.upper()} x {self.size} processes"
+
+
+def from_env(device: str, parallel: str = "ddp") -> World:
+    """The World of this process: the process group already initialized, or one made from the environment
+    torchrun sets (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR/PORT): gloo on CPU, nccl on CUDA.  A process
+    that torchrun did not start is one process on its own."""
+    import torch.distributed as dist
+
+    if parallel not in PARALLEL:
+        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    owns = False
+    if not (dist.is_available() and dist.is_initialized()):
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        if size <= 1:
+            return World(parallel=parallel)
+        if not dist.is_available():
+            raise RuntimeError("WORLD_SIZE > 1 but this torch is built without torch.distributed")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if device == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        owns = True
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    return World(dist.get_rank(), dist.get_world_size(), local, parallel, owns)
+
+
+def shutdown(world: World, clean: bool = True) -> None:
+    """Destroy the process group from_env made; after a clean run, after a barrier (no process leaves while a
+    peer still talks to it); after an error, at once (its peers may never reach a barrier)."""
+    if world.owns_group:
+        import torch.distributed as dist
+
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, world: World) -> nn.Module:
+    """The module a training step calls: `model` itself on one process; under FSDP2 the same `model`, each
+    encoder layer and then the root sharded with ``fully_shard`` in place (call before compiling the layers);
+    under DDP a ``DistributedDataParallel`` around it (build it again after each RankAdaptive re-allocation)."""
+    if world.size == 1:
+        return model
+    if world.parallel == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (an FSDP2 model is its own)."""
+    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+
+
+def agree(world: World, step_s: float, loss: float) -> tuple[float, float]:
+    """The step's time on the slowest process and the mean loss over the processes (the global batch's)."""
+    if world.size == 1:
+        return step_s, loss
+    import torch.distributed as dist
+
+    mine = torch.tensor([step_s, loss], dtype=torch.float64)
+    if dist.get_backend() == "nccl":
+        mine = mine.cuda()
+    every = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(every, mine)
+    every = torch.stack(every).cpu()
+    return float(every[:, 0].max()), float(every[:, 1].mean())
