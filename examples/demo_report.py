@@ -93,10 +93,11 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{s['comera_reach_s']:.0f} s of training: {100 * s['comera_reach_fraction']:.0f}% of dense's "
                      f"{d['time_s']:.0f} s.")
     budget = f"{cfg['minutes']:g} min" if cfg["minutes"] is not None else f"{cfg['steps']} steps"
+    where = result['device'] if result.get('device', 'cpu') != 'cpu' else f"{result['threads']} thread(s)"
+    if result.get("processes", 1) > 1:
+        where += f" per process, {result['processes']} processes ({cfg.get('parallel', 'ddp').upper()})"
     lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens; size "
-                 f"{cfg['size']!r}, seed {cfg['seed']}, "
-                 f"{result['device'] if result.get('device', 'cpu') != 'cpu' else str(result['threads']) + ' thread(s)'}"
-                 f"; held-out: "
+                 f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
                  f"files never trained on; wall time {result['wall_time_s']:.0f} s")
     return "\n".join(lines)

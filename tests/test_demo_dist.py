@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -56,6 +57,8 @@ def _check_follows(one: dict, many: dict, processes: int) -> None:
             assert eb["loss"] == pytest.approx(ea["loss"], rel=1e-4)
             assert abs(eb["accuracy"] - ea["accuracy"]) <= 1 / ea["masked_tokens"] + 1e-12
         assert a["params_encoder"] == b["params_encoder"]
+    table = (Path(many["config"]["out"]) / "table.md").read_text()
+    assert f"{processes} processes ({many['config']['parallel'].upper()})" in table
     a, b = one["runs"]["comera"], many["runs"]["comera"]
     assert a["ranks"] == b["ranks"] and a["cuts"] == b["cuts"] >= 2
     assert len(a["compile_steps"]) >= 2 and a["compile_steps"] == b["compile_steps"], a["compile_steps"]
@@ -106,7 +109,6 @@ def test_one_process_world_needs_no_process_group(monkeypatch):
 def _readme_commands(section: str) -> list[list[str]]:
     """The shell commands of the first code block under `section` in the README, continuations joined."""
     import shlex
-    from pathlib import Path
 
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = text.split(f"## {section}\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
