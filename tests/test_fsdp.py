@@ -164,6 +164,26 @@ def _zero_leading_halves(ra) -> None:
             gate.mul_(distribute_tensor(keep, gate.device_mesh, gate.placements) if sharded else keep)
 
 
+def _adaptive_step(model: nn.Module, opt, ra, x: torch.Tensor, y: torch.Tensor, rank: int, world: int,
+                   zero: bool) -> tuple[float, bool]:
+    """One step on this process's rows, RankAdaptive after the optimizer (the leading half of every bond's
+    gates zeroed first when `zero`): the whole batch's loss, and whether RankAdaptive re-allocated."""
+    per = BATCH // world
+    sl = slice(rank * per, (rank + 1) * per)
+    loss = nn.functional.mse_loss(model(x[sl]), y[sl])
+    ra.loss(loss).backward()
+    opt.step()
+    opt.zero_grad()
+    if zero:
+        _zero_leading_halves(ra)
+    reallocated = ra.step()
+    loss = loss.detach()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    return float(loss), reallocated
+
+
 RA_STEPS = 230
 
 
@@ -180,26 +200,15 @@ def _adapt(rank: int, world: int, out: str) -> None:
         _shard(model, compiled=False)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
     ra = cc.RankAdaptive(model, optimizer=opt)
-    per = BATCH // world
     result: dict = {"losses": [], "cuts": [], "snapshots": []}
     for step, x, y in _batches(RA_STEPS):
-        sl = slice(rank * per, (rank + 1) * per)
-        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
-        ra.loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
-        if step in (99, 199):
-            _zero_leading_halves(ra)
-        if ra.step():
+        loss, reallocated = _adaptive_step(model, opt, ra, x, y, rank, world, zero=step in (99, 199))
+        result["losses"].append(loss)
+        if reallocated:
             result["cuts"].append(step + 1)
             result["snapshots"].append([local.detach().clone() for local in
                                         (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())])
             result.setdefault("full", []).append(_full(model))
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        result["losses"].append(float(loss))
     result["ranks"] = ra.allocated_ranks()
     torch.save(result, f"{out}.{rank}")
 
@@ -238,23 +247,12 @@ def _adapt_compiled(rank: int, world: int, out: str) -> None:
         block.compile(backend="comera", fullgraph=True)  # a graph break would be an error
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
     ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
-    per = BATCH // world
     losses, reallocated = [], []
     for step, x, y in _batches(10):
-        sl = slice(rank * per, (rank + 1) * per)
-        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
-        ra.loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 4:
-            _zero_leading_halves(ra)
-        if ra.step():
+        loss, cut = _adaptive_step(model, opt, ra, x, y, rank, world, zero=step == 4)
+        losses.append(loss)
+        if cut:
             reallocated.append(step + 1)
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
     if rank == 0:
         torch.save({"losses": losses, "reallocated": reallocated, "ranks": ra.allocated_ranks()}, out)
 
@@ -289,22 +287,8 @@ def _resumable(rank: int, world: int, out: str, mode: str, ckpt: str) -> None:
     if mode == "load":
         cc.load_checkpoint(ckpt, model, opt, ra)
         start = ra.steps
-    per = BATCH // world
-    losses = []
-    for step, x, y in _batches(CKPT_AT if mode == "save" else CKPT_STEPS, start):
-        sl = slice(rank * per, (rank + 1) * per)
-        loss = nn.functional.mse_loss(model(x[sl]), y[sl])
-        ra.loss(loss).backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 3:
-            _zero_leading_halves(ra)
-        ra.step()
-        loss = loss.detach()
-        if world > 1:
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(float(loss))
+    losses = [_adaptive_step(model, opt, ra, x, y, rank, world, zero=step == 3)[0]
+              for step, x, y in _batches(CKPT_AT if mode == "save" else CKPT_STEPS, start)]
     if mode == "save":
         assert ra.cuts >= 1
         cc.save_checkpoint(ckpt, model, opt, ra)
