@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
 import warnings
 
 import pytest
@@ -23,10 +23,13 @@ TIMEOUT = datetime.timedelta(seconds=120)  # a stuck collective fails the test i
 BATCH, SEQ, WIDTH = 8, 5, 64
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> str:
+    """A path for a file the processes meet at (no port to pick: a port found free can be taken again
+    before the store binds it, one run after another)."""
+    handle, path = tempfile.mkstemp(prefix="comera-fsdp-rdzv-")
+    os.close(handle)
+    os.remove(path)  # the store creates it
+    return path
 
 
 def _encoder() -> nn.Module:
@@ -93,7 +96,7 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
 def _run(rank: int, world: int, fn, *args) -> None:
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args[0]}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{args[0]}", rank=rank, world_size=world,
                                 timeout=TIMEOUT)
     try:
         fn(rank, world, *args[1:])
@@ -108,7 +111,12 @@ def _spawn(fn, world: int, *args) -> None:
     if world == 1:
         _run(0, 1, fn, None, *args)
     else:
-        mp.spawn(_run, args=(world, fn, _free_port(), *args), nprocs=world, join=True)
+        path = _rendezvous()
+        try:
+            mp.spawn(_run, args=(world, fn, path, *args), nprocs=world, join=True)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
 
 
 # -- training like one process ---------------------------------------------------------------------------
