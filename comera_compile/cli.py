@@ -154,15 +154,10 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(nproc: int, argv: list[str], device: str, batch: int) -> int:
+def _launch(nproc: int, argv: list[str], device: str) -> int:
     """`demo --nproc N`: the same command under torchrun on N local processes (its options but --nproc)."""
     import subprocess
 
-    if nproc < 1:
-        raise SystemExit(f"comera-compile demo: --nproc must be at least 1, got {nproc}")
-    if batch % nproc:
-        raise SystemExit(f"comera-compile demo: --batch {batch} does not split evenly over {nproc} processes; give a "
-                         f"global batch that is a multiple of --nproc (e.g. --batch {-(-batch // nproc) * nproc})")
     if device == "cuda" and torch.cuda.device_count() < nproc:
         raise SystemExit(f"comera-compile demo: --nproc {nproc} --device cuda needs {nproc} GPUs, this machine "
                          f"shows {torch.cuda.device_count()}")
@@ -195,8 +190,10 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     try:
         cfg = code_mlm.preset(args.preset, **given)
         if args.nproc is not None and "WORLD_SIZE" not in os.environ:  # not yet under torchrun: start it
-            cfg.check()
-            return _launch(args.nproc, argv, cfg.device, cfg.batch)
+            if args.nproc < 1:
+                raise SystemExit(f"comera-compile demo: --nproc must be at least 1, got {args.nproc}")
+            cfg.check(args.nproc)
+            return _launch(args.nproc, argv, cfg.device)
         _set_threads("demo", args.threads)
         code_mlm.run(cfg)
     except code_mlm.DemoError as e:

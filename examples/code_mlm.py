@@ -98,8 +98,9 @@ class DemoConfig:
         s = SIZES[self.size]
         return s if self.rank is None else replace(s, rank=self.rank)
 
-    def check(self) -> None:
-        """Raise DemoError for settings that cannot run, saying which option to change."""
+    def check(self, processes: int = 1) -> None:
+        """Raise DemoError for settings that cannot run (on `processes` data-parallel processes), saying which
+        option to change."""
         self.model_size()
         checks = [
             (self.minutes is not None or self.steps is not None,
@@ -128,6 +129,9 @@ class DemoConfig:
             (self.parallel in PARALLEL, f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"),
             (self.device != "cuda" or torch.cuda.is_available(),
              "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
+            (self.batch % processes == 0,
+             f"--batch {self.batch} does not split evenly over {processes} processes; give a global batch that is "
+             f"a multiple of the process count (e.g. --batch {-(-self.batch // processes) * processes})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -258,10 +262,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     world = from_env(cfg.device, cfg.parallel)
     clean = False
     try:
-        if world.size > 1 and cfg.batch % world.size:
-            raise DemoError(f"--batch {cfg.batch} does not split evenly over {world.size} processes; give a "
-                            f"global batch that is a multiple of the process count (e.g. --batch "
-                            f"{-(-cfg.batch // world.size) * world.size})")
+        cfg.check(world.size)
         result = _run(cfg, world, log if world.main else (lambda _: None))
         clean = True
         return result

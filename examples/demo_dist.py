@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "unwrap", "agree"]
+__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree"]
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -102,11 +102,6 @@ def wrap(model: nn.Module, world: World) -> nn.Module:
         return model
     device_ids = [world.local_rank] if next(model.parameters()).is_cuda else None
     return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (an FSDP2 model is its own)."""
-    return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
 def agree(world: World, step_s: float, loss: float) -> tuple[float, float]:

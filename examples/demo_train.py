@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import mask_batch
-from comera_compile.examples.demo_dist import World, agree, unwrap, wrap
+from comera_compile.examples.demo_dist import World, agree, wrap
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -191,7 +191,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         sched.step()
         reallocated = ra.step() if ra is not None else False
         if reallocated and forward is not model:
-            forward = wrap(unwrap(forward), world)  # DDP holds the replaced Parameters: a new wrapper
+            forward = wrap(model, world)  # DDP holds the replaced Parameters: a new wrapper
         sync()   # on CUDA the step's time is its device work's
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task.detach()))
         elapsed += dt
