@@ -45,7 +45,7 @@ def without_hooks(model: nn.Module) -> nn.Module:
     return model
 
 
-def _six_encoder(batch: int, layers: int, hooks: bool = True):
+def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = False):
     from comera_compile.examples import six_encoder
 
     torch.manual_seed(0)
@@ -55,13 +55,18 @@ def _six_encoder(batch: int, layers: int, hooks: bool = True):
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
     ids, seg, mask = six_encoder.example_inputs(model, batch=batch, seq=128)
     target = torch.zeros(batch, dtype=torch.long)
-    step = eager_step(model, opt, nn.CrossEntropyLoss())
+    if compiled:
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, options={"profile": True})
+    else:
+        step = eager_step(model, opt, nn.CrossEntropyLoss())
     return model, lambda: step(ids, seg, mask, target)
 
 
-def six_encoder_profile(batch: int = 8, layers: int = 6, steps: int = 3) -> "cc.LayerProfile":
-    """cc.profile of the six-encoder's eager AdamW step at batch x 128."""
-    model, step = _six_encoder(batch, layers)
+def six_encoder_profile(batch: int = 8, layers: int = 6, steps: int = 3, compiled: bool = False
+                        ) -> "cc.LayerProfile":
+    """cc.profile of the six-encoder's AdamW step at batch x 128: eager, or compiled (cc.compile_step with
+    the backend's profile option: each TT layer's part of the blocks' graph compiled on its own)."""
+    model, step = _six_encoder(batch, layers, compiled=compiled)
     return cc.profile(step, model=model, steps=steps)
 
 

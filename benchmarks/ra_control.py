@@ -90,7 +90,7 @@ def train(kind: str, cfg: Any, data: Any, ranks: dict[str, tuple[int, ...]] | No
     start = sum(m.tt_params() for m in tt_layers(model).values())
     if cfg.compile:
         for block in cc.repeated_blocks(model):
-            block.compile(backend="comera")
+            cc.compile_block(block, backend="comera")
     opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg.warmup_steps, 1)))
     ra = cc.RankAdaptive(model, optimizer=opt, **(adapt_kwargs or {})) if kind == "adapt" else None

@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "comera_backend": "comera_compile.backend",
     "compile_step": "comera_compile.backend",
     "repeated_blocks": "comera_compile.backend",
+    "compile_block": "comera_compile.backend",
     "rewritten_graphs": "comera_compile.backend",
     "GraphReport": "comera_compile.logs",
     "profile": "comera_compile.profiling",
@@ -65,7 +66,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from comera_compile.backend import comera_backend, compile_step, repeated_blocks, rewritten_graphs
+    from comera_compile.backend import (comera_backend, compile_block, compile_step, repeated_blocks,
+                                        rewritten_graphs)
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile
     from comera_compile.checkpoint import from_pretrained, save_pretrained

@@ -10,6 +10,7 @@ trees replay the compiled forward and backward with no per-kernel launch cost.
 from __future__ import annotations
 
 import functools
+import types
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from comera_compile.logs import GraphReport
 
 __all__ = ["comera_backend", "rewritten_graphs", "OPTIONS", "inductor_config", "compile_step", "register", "keep_freed_memory",
-           "repeated_blocks", "CudaGraphCaptures"]
+           "repeated_blocks", "compile_block", "CudaGraphCaptures"]
 
 # Every option the backend takes, with its default and what it does.
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -39,6 +40,10 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                                 "(passes.fx.materialize) instead of inside every kernel they are broadcast into"),
     "keep_memory": (True, "on CPU inputs, call keep_freed_memory(): glibc's malloc keeps freed buffers for the "
                           "next step instead of faulting their pages in again (process-wide, once)"),
+    "profile": (False, "compile each TT layer's part of a graph as a graph of its own, run inside a profiler range "
+                       "comera.<kind>[<layer>], so torch.profiler and cc.profile attribute compiled time "
+                       "(forward and backward) to each layer; costs the fusion across layer boundaries and, "
+                       "on CUDA, CUDA Graphs (every kernel shows): for profiling runs"),
     "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
@@ -53,7 +58,7 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
     flags = ("cudagraphs", "contraction", "fast_dropout", "recompute_materialized", "materialize_casts",
-             "keep_memory", "memory")
+             "keep_memory", "memory", "profile")
     if not all(isinstance(out[k], bool) for k in flags):
         raise TypeError(f"options {', '.join(repr(k) for k in flags)} take True or False")
     if not isinstance(out["inductor"], dict):
@@ -78,7 +83,7 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
         from torch._inductor import list_mode_options
 
         patches.update(list_mode_options(mode))
-    patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and "cuda" in devices)
+    patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and not opts["profile"] and "cuda" in devices)
     patches.update(opts["inductor"])
     if opts["fast_dropout"]:
         from torch._inductor import config as inductor
@@ -152,17 +157,26 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     gm, report = _run_passes(gm, example_inputs, opts, then="eager (Tempo ops)" if opts["memory"] else "Inductor")
     emit(report)
     if opts["memory"]:
-        return gm.forward
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor
-    from torch._inductor.compile_fx import compile_fx
+        compiled: Callable = lambda part, inputs: part.forward
+    else:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor
+        from torch._inductor.compile_fx import compile_fx
 
-    patches = inductor_config(devices, mode, options)
-    if on_cpu:
-        _warm_cpu_compiler_early(bool(patches.get("cpp_wrapper", inductor.cpp_wrapper)))
-    # AOTAutograd partitions the joint graph inside this call, under this setting.
-    with functorch_config.patch(ban_recompute_materialized_backward=not opts["recompute_materialized"]):
-        return compile_fx(gm, example_inputs, config_patches=patches)
+        patches = inductor_config(devices, mode, options)
+        if on_cpu:
+            _warm_cpu_compiler_early(bool(patches.get("cpp_wrapper", inductor.cpp_wrapper)))
+
+        def compiled(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Callable:
+            # AOTAutograd partitions the joint graph inside this call, under this setting.
+            with functorch_config.patch(ban_recompute_materialized_backward=not opts["recompute_materialized"]):
+                return compile_fx(graph, list(inputs), config_patches=patches)
+
+    if opts["profile"]:
+        from comera_compile.profiling import split_by_layer
+
+        return split_by_layer(gm, compiled)
+    return compiled(gm, example_inputs)
 
 
 def rewritten_graphs(model: Callable[..., Any], *args: Any, options: dict[str, Any] | None = None,
@@ -318,6 +332,37 @@ def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return visit(model)
 
 
+def compile_block(block: torch.nn.Module, **compile_kwargs: Any) -> None:
+    """``block.compile(**compile_kwargs)`` for any block, torch.nn's own classes included.
+
+    ``Module.compile`` compiles the block's ``_call_impl``, a frame in torch.nn that dynamo does not trace:
+    for a user's class it traces the forward that frame calls, but for one of torch.nn's
+    (``nn.TransformerEncoderLayer``) the forward is skipped too, and only calls that leave torch (a TT layer's
+    forward) are captured, each as a graph of its own.  Here the compiled frame is a function of this package
+    that calls the block, which dynamo traces and inlines the block into, as ``torch.compile(block)`` does,
+    without wrapping the block in another module (its name and state_dict keys stay the user's).  The function
+    has one code object per block class: dynamo keys its cache, recompile limit and automatic-dynamic state
+    on the code object, so blocks of one class share one compiled graph and other classes do not count
+    against it, as with ``Module.compile`` on a class's own forward."""
+    call = _block_call(type(block))
+    block._compiled_call_impl = torch.compile(
+        types.FunctionType(call.__code__, call.__globals__, call.__name__, None,
+                           (types.CellType(block._call_impl),)), **compile_kwargs)
+
+
+@functools.cache
+def _block_call(block_class: type) -> Callable[..., Any]:
+    """A function calling a block, with a code object of its own for block_class (see compile_block)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return call_impl(*args, **kwargs)
+
+    call_impl = None   # the cell; compile_block gives each block's function its own
+    name = f"compiled_{block_class.__name__}"
+    call.__code__ = call.__code__.replace(co_name=name)
+    call.__name__ = name
+    return call
+
+
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
@@ -336,7 +381,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     the multi-tensor one (``group["foreach"] = True``); both compute the same update.
     keep_memory calls keep_freed_memory() for models on the CPU (process-wide; False leaves malloc alone).
 
-    regional (default) compiles each of the model's repeated blocks on its own (``block.compile``, see
+    regional (default) compiles each of the model's repeated blocks on its own (compile_block, see
     repeated_blocks) and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape
     share one compiled graph, so a six-layer encoder compiles in the time of one layer (about a third of
     the whole-step compile's time here) and a rank re-allocation recompiles one block's graph.  The blocks
@@ -365,7 +410,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     blocks = repeated_blocks(model) if regional else []
     if blocks:
         for block in blocks:
-            block.compile(backend=backend, fullgraph=fullgraph, **kwargs)
+            compile_block(block, backend=backend, fullgraph=fullgraph, **kwargs)
         fwd = forward_loss
     else:
         fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)

@@ -144,8 +144,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.profile:
         from comera_compile.benchmarks.profiling import six_encoder_profile
 
+        layers = 2 if args.quick else 6
         print(f"per-layer time of the six-encoder's eager AdamW step, batch {args.profile} x 128 (cc.profile):")
-        print(six_encoder_profile(batch=args.profile, layers=2 if args.quick else 6))
+        print(six_encoder_profile(batch=args.profile, layers=layers))
+        print(f"\nthe same step compiled (cc.compile_step, backend option profile: each TT layer's part of the "
+              f"graph compiled on its own, inside its range):")
+        print(six_encoder_profile(batch=args.profile, layers=layers, compiled=True))
         return 0
     try:
         run_suite(quick=args.quick, only=args.only, json_path=args.json, device=args.device)
@@ -298,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "torch.compile (CUDA Graphs), GaLore, CUDA Graphs off and the fixed order; cpu runs the "
                         "same code paths at reduced sizes")
     b.add_argument("--profile", type=int, nargs="?", const=8, default=None, metavar="BATCH",
-                   help="instead of the suite, time each TT layer (forward and backward) of the six-encoder's eager "
-                        "training step at BATCH x 128 (default 8) under torch's profiler: cc.profile's table")
+                   help="instead of the suite, time each TT layer (forward and backward) of the six-encoder's "
+                        "training step at BATCH x 128 (default 8) under torch's profiler, eager and compiled: "
+                        "cc.profile's tables")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     return parser
 

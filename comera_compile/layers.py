@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
@@ -27,6 +29,17 @@ __all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "c
 DEFAULT_TAU = 1e-6
 
 _INITS = ("random", "svd")
+
+# Each TT layer's parameters -> the layer (weakly, both ways): a compiled graph that several blocks share
+# names, at run time, the layer whose parameters it was handed (comera_compile.profiling, compiled profiles).
+_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def layer_of(tensor: torch.Tensor) -> "TTLayer | None":
+    """The TT layer holding `tensor` as a parameter, if it is one (layers built, cut or named in this process)."""
+    ref = _OWNERS.get(tensor)
+    return None if ref is None else ref()
+
 
 # The row count whose plan serves row counts unknown at trace time (exported programs, symbolic batches).
 EXPORT_ROWS = 4096
@@ -57,6 +70,7 @@ def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                     return forward(self, *args, **kwargs)
             return forward(self, *args, **kwargs)
 
+        call.comera_kind = kind   # the range's kind, for compiled profiles (comera_compile.profiling)
         return call
 
     return wrap
@@ -107,6 +121,13 @@ class TTLayer(nn.Module):
             [nn.Parameter(c.to(device=device, dtype=dtype).contiguous()) for c in cores])
         self.gates = nn.ParameterList(
             [nn.Parameter(torch.ones(r, device=device, dtype=dtype)) for r in spec.gate_sizes])
+        self.claim_parameters()
+
+    def claim_parameters(self) -> None:
+        """Record this layer as the owner of its parameters (layer_of); done when they are made or cut."""
+        ref = weakref.ref(self)
+        for p in self.parameters():
+            _OWNERS[p] = ref
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -159,6 +180,7 @@ class TTLayer(nn.Module):
                     cuts[key] = [old, new, [(dim, idx)]]
             ranks[k + 1] = idx.numel()
         self.spec = self.spec.with_ranks(ranks)
+        self.claim_parameters()
         return [(old, new, dim, idx) for old, new, steps in cuts.values() for dim, idx in steps]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

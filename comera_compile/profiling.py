@@ -3,9 +3,14 @@
 TT layers open a profiler range ``comera.<kind>[<name>]`` around their forward while the profiler records
 (layers.profiled).  Their backward runs later, outside any range, but autograd records each backward op
 with the sequence number of the forward op it differentiates; the table adds the backward ops whose
-numbers fall in a layer's range to that layer.  Inside a graph Inductor compiled there are no layers to
-see: Inductor removes profiler ranges from the graphs it compiles (they would block fusion), so a compiled
-region shows as Inductor's own events; run the model eagerly to attribute time to layers.
+numbers fall in a layer's range to that layer.
+
+Inside a graph Inductor compiled there are no layers to see: Inductor removes profiler ranges from the
+graphs it compiles (they would block fusion).  The backend's ``profile`` option
+(``torch.compile(model, backend="comera", options={"profile": True})``) therefore compiles each TT layer's
+part of a graph as a graph of its own (split_by_layer) and calls it inside the layer's range; each part is
+one autograd node, whose backward carries the forward's sequence number as above.  The price is the fusion
+across layer boundaries, which is why it is an option for profiling runs.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["profile", "LayerTime", "LayerProfile", "name_layers"]
+__all__ = ["profile", "LayerTime", "LayerProfile", "name_layers", "split_by_layer"]
 
 _PREFIX = "comera."
 _BACKWARD = "autograd::engine::evaluate_function: "
@@ -64,8 +69,10 @@ class LayerProfile:
                f"TT layers: {total:.3f} ms of a {self.step_ms:.3f} ms step (per step, {self.steps} profiled; "
                f"CPU time under the profiler)"]
         if not self.layers:
-            out.append("no TT layer ran eagerly: layers inside a graph Inductor compiled are not visible to the "
-                       "profiler by name (Inductor removes profiler ranges); profile the eager model")
+            out.append("no TT layer was seen: inside a graph Inductor compiled the layers are not visible to the "
+                       "profiler (Inductor removes profiler ranges); compile with "
+                       "options={'profile': True} (each TT layer its own graph, inside its range) or profile "
+                       "the eager model")
         return "\n".join(out)
 
 
@@ -77,6 +84,7 @@ def name_layers(model: nn.Module) -> int:
     for name, module in model.named_modules():
         if isinstance(module, TTLayer):
             module.comera_name = name or type(module).__name__
+            module.claim_parameters()
             count += 1
     return count
 
@@ -131,3 +139,118 @@ def profile(step: Callable[..., Any], *args: Any, model: nn.Module | None = None
         t.backward_ms += sum(backward_us.get(n, 0.0) for n in _sequence_numbers(e)) / 1e3 / steps
         t.device_ms += getattr(e, "device_time_total", 0.0) / 1e3 / steps
     return LayerProfile(list(table.values()), steps, step_us / 1e3 / steps, prof)
+
+
+def _range_kind(layer_class: type) -> str:
+    """The kind a TT layer class's eager ranges carry (``tt_linear``, ...): its forward's."""
+    return getattr(layer_class.forward, "comera_kind", layer_class.__name__)
+
+
+def split_by_layer(gm: torch.fx.GraphModule, compile_part: Callable[[torch.fx.GraphModule, list], Callable]
+                   ) -> torch.fx.GraphModule:
+    """`gm` cut into parts, one per run of nodes of one TT layer (found as logs.tt_contractions finds them)
+    and one per run of other nodes between, each compiled on its first call by ``compile_part(part,
+    inputs)`` and again for inputs of another shape, dtype or stride.  A layer's part runs inside
+    ``record_function("comera.<kind>[<name>]")`` while the profiler records, named after the layer whose
+    parameters it is handed (a graph shared by several blocks serves each under its own name), else after
+    the module path dynamo recorded.  The parts run in the graph's order, so results equal the graph's."""
+    from torch.fx.passes.split_module import split_module
+
+    from comera_compile.layers import TTLayer
+    from comera_compile.logs import _owner
+
+    part_of: dict[torch.fx.Node, int] = {}
+    owners: list[tuple[str, str] | None] = []
+    frame = _frame_owner(gm)
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        owner = _owner(node, TTLayer) or frame
+        if owner is None and owners and getattr(node.target, "__name__", None) in _MODE_SWITCHES:
+            owner = owners[-1]   # a layer's own `with torch.autocast(...)`: dynamo records no module for it
+        if not owners or owner != owners[-1]:
+            owners.append(owner)
+        part_of[node] = len(owners) - 1
+    kinds = {cls.__name__: _range_kind(cls) for cls in _subclasses(TTLayer)}
+    split = split_module(gm, None, lambda node: part_of[node], keep_original_order=True)
+    for name, part in list(split.named_children()):
+        owner = owners[int(name.rsplit("_", 1)[-1])]
+        label = None if owner is None else (kinds.get(owner[1], owner[1]), owner[0])
+        setattr(split, name, _Part(part, compile_part, label))
+    return split
+
+
+# Nodes that enter or leave an autocast or grad-mode region: they belong to the layer around them.
+_MODE_SWITCHES = ("_enter_autocast", "_exit_autocast", "_set_grad_enabled")
+
+
+def _frame_owner(gm: torch.fx.GraphModule) -> tuple[str, str] | None:
+    """(name, class name) of the TT layer whose own forward is the graph's frame (a TT layer compiled on its
+    own, or reached after a graph break), found by the parameters dynamo captured; else None."""
+    from comera_compile.layers import TTLayer, layer_of
+    from comera_compile.logs import _owner
+
+    if any(_owner(n, TTLayer) for n in gm.graph.nodes):
+        return None
+    layers = set()
+    for node in gm.graph.find_nodes(op="placeholder"):
+        try:
+            example = node.meta["grapharg"].example
+        except Exception:   # not a dynamo graph, or an input without an example
+            continue
+        layer = layer_of(example) if isinstance(example, torch.Tensor) else None
+        if layer is not None:
+            layers.add(layer)
+    if len(layers) != 1:
+        return None
+    layer = layers.pop()
+    return layer.comera_name or type(layer).__name__, type(layer).__name__
+
+
+def _subclasses(cls: type) -> list[type]:
+    out, stack = [], [cls]
+    while stack:
+        c = stack.pop()
+        out.append(c)
+        stack.extend(c.__subclasses__())
+    return out
+
+
+class _Part(nn.Module):
+    """One part of a split graph: compiled per input signature, run inside its TT layer's range."""
+
+    def __init__(self, part: torch.fx.GraphModule, compile_part: Callable[[torch.fx.GraphModule, list], Callable],
+                 label: tuple[str, str] | None) -> None:
+        super().__init__()
+        output = next(n for n in reversed(part.graph.nodes) if n.op == "output")
+        self.single = not isinstance(output.args[0], (tuple, list))
+        if self.single:   # AOTAutograd's compilers take graphs that return a tuple
+            output.args = ((output.args[0],),)
+            part.recompile()
+        self.part = part
+        self.compile_part = compile_part
+        self.label = label
+        self.compiled: dict[tuple, Callable] = {}
+
+    def _name(self, args: tuple) -> str:
+        from comera_compile.layers import layer_of
+
+        kind, path = self.label
+        for a in args:
+            layer = layer_of(a) if isinstance(a, torch.Tensor) else None
+            if layer is not None and layer.comera_name:
+                return f"{_PREFIX}{kind}[{layer.comera_name}]"
+        return f"{_PREFIX}{kind}[{path}]"
+
+    def forward(self, *args: Any) -> Any:
+        key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
+                    if isinstance(a, torch.Tensor) else a for a in args)
+        fn = self.compiled.get(key)
+        if fn is None:
+            fn = self.compiled[key] = self.compile_part(self.part, list(args))
+        if self.label is not None and torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(self._name(args)):
+                out = fn(*args)
+        else:
+            out = fn(*args)
+        return out[0] if self.single else out

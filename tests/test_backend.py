@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.backend import OPTIONS, inductor_config, repeated_blocks
 from comera_compile.examples import six_encoder
+from comera_compile.logs import tt_contractions
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +108,7 @@ def test_unknown_option_lists_valid_ones():
 def test_cuda_path_decisions_on_cpu():
     assert inductor_config({"cuda"}, None, None)["triton.cudagraphs"] is True
     assert inductor_config({"cuda"}, None, {"cudagraphs": False})["triton.cudagraphs"] is False
+    assert inductor_config({"cuda"}, None, {"profile": True})["triton.cudagraphs"] is False   # every kernel shows
     assert inductor_config({"cpu"}, None, None)["triton.cudagraphs"] is False
     # Inductor's Python wrapper stays the default on CPU; the C++ wrapper is the user's choice.
     assert "cpp_wrapper" not in inductor_config({"cpu"}, None, None)
@@ -324,6 +327,52 @@ def test_compile_step_compiles_one_graph_for_all_blocks_and_trains_as_eager(regi
     step = cc.compile_step(model, loss_fn, opt, regional=regional)
     for _ in range(5):
         step(x, target)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
+
+
+def test_compile_step_captures_whole_blocks_of_torch_s_own_transformer_encoder():
+    """nn.TransformerEncoderLayer is torch.nn's own class: Module.compile() on it captures only the calls its
+    forward makes outside torch (each TT layer alone).  compile_step's blocks are whole graphs, holding
+    attention and both TT layers, shared by the blocks (a second one for the first block, whose input needs
+    no gradient); the model's state_dict keys stay the user's; three steps land where eager steps do."""
+    def make():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # enable_nested_tensor's note about batch_first
+            m = cc.tensorize(nn.TransformerEncoder(layer, 3, enable_nested_tensor=False), rank=8, min_features=32)
+        # SGD: the attention's key bias has a zero gradient (softmax ignores a shift), which Adam would
+        # blow up from rounding noise to a full step of either sign
+        return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(2, 6, 64, generator=g), torch.randn(2, 6, 64, generator=g)
+    model, opt = make()
+    keys = list(model.state_dict())
+    step = cc.compile_step(model, nn.MSELoss(), opt, backend=counting)
+    for _ in range(2):
+        step(x, target)
+    assert len(graphs) <= 2
+    for graph in graphs:
+        assert "multi_head_attention_forward" in graph.code and "layer_norm" in graph.code
+        assert {"linear1", "linear2"} <= {layer.layer.rsplit(".", 1)[-1] for layer in tt_contractions(graph)}
+    assert list(model.state_dict()) == keys
+    eager, eager_opt = make()
+    torch._dynamo.reset()
+    model, opt = make()
+    step = cc.compile_step(model, nn.MSELoss(), opt)
+    for _ in range(3):
+        step(x, target)
+        nn.MSELoss()(eager(x), target).backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
     for (n, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7, n
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -113,20 +114,81 @@ def test_compiled_graphs_are_the_same_with_and_without_the_hooks():
     assert with_hooks == plain and len(with_hooks) == 1
 
 
-def test_a_compiled_model_s_profile_says_its_layers_are_not_visible():
+def test_a_compiled_model_s_profile_says_how_to_see_its_layers():
     model = _tensorized()
     compiled = torch.compile(model, backend="comera")
     ids = _ids()
     table = cc.profile(lambda: compiled(ids).sum().backward(), model=model, steps=1)
     assert table.layers == [] and "Inductor removes profiler ranges" in str(table)
+    assert "options={'profile': True}" in str(table)
 
 
-def test_bench_profile_prints_a_row_per_tt_layer(capsys):
+def _sgd_step(model: nn.Module, how: str):
+    """An SGD step on sum(model(ids)): eager, or compiled with the backend's profile option (the whole model
+    as one graph, or compile_step's way: the encoder's blocks compiled, one graph for both; embedding and
+    head eager)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loss_fn = lambda out, target: out.sum()
+    if how == "compile_step":
+        step = cc.compile_step(model, loss_fn, opt, options={"profile": True})
+        return lambda ids: step(ids, None)
+    forward = model if how == "eager" else torch.compile(model, backend="comera", options={"profile": True})
+
+    def step(ids: torch.Tensor) -> None:
+        loss_fn(forward(ids), None).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+@pytest.mark.parametrize("how", ["whole", "compile_step"])
+def test_a_compiled_profile_names_every_tt_layer_and_computes_what_eager_does(how):
+    """With options={"profile": True} each TT layer's part of a compiled graph runs in its own range: the
+    table has every TT layer (the blocks' graph is shared, yet each block's layers keep their own names),
+    with forward and backward time; the step lands where the eager step does."""
+    ids = _ids()
+    eager = _tensorized()
+    _sgd_step(eager, "eager")(ids)
+    model = _tensorized()
+    step = _sgd_step(model, how)
+    step(ids)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-5 * q.norm(), name
+    table = cc.profile(step, ids, model=model, steps=2)
+    assert {t.name for t in table.layers} == _tt_names(model), str(table)
+    for t in table.layers:
+        assert t.calls == 2 and t.forward_ms > 0 and t.backward_ms > 0, t
+    assert 0 < sum(t.total_ms for t in table.layers) < table.step_ms
+
+
+def test_a_tt_layer_compiled_on_its_own_is_named_in_a_compiled_profile():
+    model = nn.Sequential(nn.ReLU(), TTLinear(256, 256, rank=4))
+    model[1].compile(backend="comera", options={"profile": True})
+    x = torch.randn(3, 256, requires_grad=True)
+    table = cc.profile(lambda: model(x).sum().backward(), model=model, steps=1)
+    assert [t.name for t in table.layers] == ["1"] and table.layers[0].backward_ms > 0
+
+
+def test_the_profile_option_opens_no_range_while_the_profiler_is_off(monkeypatch):
+    step = _sgd_step(_tensorized(), "whole")
+    step(_ids())
+    opened = []
+    real = torch.profiler.record_function
+    monkeypatch.setattr(torch.profiler, "record_function", lambda *a, **k: opened.append(a) or real(*a, **k))
+    step(_ids())
+    assert opened == []
+
+
+def test_bench_profile_prints_a_row_per_tt_layer_eager_and_compiled(capsys):
     from comera_compile.cli import main
 
     assert main(["bench", "--profile", "1", "--quick"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.split()[1:2] in (["tt_linear"], ["tt_embedding"])]
-    names = {r[0] for r in rows}
-    assert {"layers.0.ffn_up", "layers.1.ffn_down", "word"} <= names, out
-    assert "TT layers:" in out
+    eager, compiled = out.split("the same step compiled")
+    for table in (eager, compiled):
+        rows = [line.split() for line in table.splitlines()
+                if line.split()[1:2] in (["tt_linear"], ["tt_embedding"])]
+        names = {r[0] for r in rows}
+        assert {"layers.0.ffn_up", "layers.1.ffn_down", "word"} <= names, out
+        assert "TT layers:" in table
