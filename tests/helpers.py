@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -47,3 +50,18 @@ class LargestAllocation(TorchDispatchMode):
                 if nbytes > self.largest:
                     self.largest, self.what = nbytes, f"{func} -> {tuple(t.shape)}"
         return out
+
+
+def readme_block(section: str, lang: str = "bash", index: int = 0) -> str:
+    """The index-th ```lang code block under `## section` in the README (before the next section)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return body.split(f"```{lang}\n")[index + 1].split("```", 1)[0]
+
+
+def readme_commands(section: str) -> list[list[str]]:
+    """The shell commands of the first bash block under `section` in the README, continuations joined,
+    comments dropped."""
+    block = readme_block(section)
+    lines = [line.split("  #", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
+    return [shlex.split(line) for line in lines if line and not line.startswith("#")]

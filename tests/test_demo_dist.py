@@ -19,6 +19,7 @@ pytest.importorskip("tqdm")
 from comera_compile.cli import main  # noqa: E402
 from comera_compile.examples import code_mlm, demo_dist  # noqa: E402
 from test_demo import _write_corpus  # noqa: E402
+from helpers import readme_commands  # noqa: E402
 
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed gloo")
@@ -106,16 +107,6 @@ def test_one_process_world_needs_no_process_group(monkeypatch):
         demo_dist.from_env("cpu", "zero")
 
 
-def _readme_commands(section: str) -> list[list[str]]:
-    """The shell commands of the first code block under `section` in the README, continuations joined."""
-    import shlex
-
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = text.split(f"## {section}\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    lines = [line.split("  #", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
-    return [shlex.split(line) for line in lines if line and not line.startswith("#")]
-
-
 def test_readme_distributed_commands_are_ones_the_tools_take():
     """Every command of the README's Distributed block parses: the demo's options with comera-compile's own
     parser, torchrun's with torchrun's (the short runs above start the same commands)."""
@@ -123,7 +114,7 @@ def test_readme_distributed_commands_are_ones_the_tools_take():
 
     from comera_compile.cli import build_parser
 
-    commands = _readme_commands("Distributed")
+    commands = readme_commands("Distributed")
     assert len(commands) == 4
     for cmd in commands:
         if cmd[0] == "torchrun":
@@ -143,7 +134,7 @@ def test_readme_distributed_commands_are_ones_the_tools_take():
 @pytest.mark.slow
 def test_readme_torchrun_line_runs_the_demo(tmp_path):
     """The README's torchrun line as written (python -m torch.distributed.run for torchrun), short."""
-    cmd = next(c for c in _readme_commands("Distributed") if c[0] == "torchrun" and "--nnodes" not in c)
+    cmd = next(c for c in readme_commands("Distributed") if c[0] == "torchrun" and "--nnodes" not in c)
     data = tmp_path / "data"
     _write_corpus(data)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *cmd[1:], "--data", str(data),

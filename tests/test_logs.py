@@ -16,6 +16,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.layers import TTLayer, TTLinear
 from comera_compile.logs import _clean_path
+from helpers import readme_block, readme_commands
 
 # A tensorized model small enough for Inductor to compile in seconds: two TT layers and a dropout.
 _SCRIPT = textwrap.dedent("""
@@ -208,3 +209,41 @@ def test_inspect_prints_the_compiled_graph_of_a_transformers_model(factory, tmp_
     assert len(table) >= 10, out
     for name in table:
         assert f"[{name}]" in out, name
+
+
+def test_readme_seeing_section_commands_are_ones_the_cli_takes():
+    """Every comera-compile command of the README's "Seeing what it did" block parses (a bracket is
+    notation for an optional argument, dropped); the TORCH_LOGS names are the package's module name."""
+    from comera_compile.cli import build_parser
+
+    commands = readme_commands("Seeing what it did")
+    ran = 0
+    for cmd in commands:
+        if cmd[0] == "comera-compile":
+            words, depth = [], 0
+            for word in cmd[1:]:
+                depth += word.startswith("[")
+                if depth == 0:
+                    words.append(word)
+                depth -= word.endswith("]")
+            assert build_parser().parse_args(words).command in ("inspect", "bench")
+            ran += 1
+        elif cmd[0].startswith("TORCH_LOGS="):
+            assert cmd[0].split("=", 1)[1].lstrip("+") == cc.__name__
+    assert ran == 4
+
+
+def test_readme_compiled_profile_snippet_runs_as_written(capsys):
+    """The README's compiled-profile lines, run as written on a tensorized encoder: the table names every
+    TT layer."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, dim_feedforward=128, dropout=0.0, batch_first=True)
+    model = cc.tensorize(nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                       nn.Linear(64, 48)), rank=8, min_features=32)
+    names = {n for n, m in model.named_modules() if isinstance(m, TTLayer)}
+    assert len(names) == 5
+    scope = {"cc": cc, "model": model, "loss_fn": nn.MSELoss(), "ids": torch.randn(2, 6, 64),
+             "target": torch.randn(2, 6, 48), "opt": torch.optim.SGD(model.parameters(), lr=1e-3)}
+    exec(readme_block("Seeing what it did", "python"), scope)
+    out = capsys.readouterr().out
+    assert all(f"{name} " in out for name in names), out
