@@ -22,7 +22,7 @@ __all__ = ["SUITE", "OPT_IN", "DEVICE_SUITE", "available", "run_suite"]
 SUITE = ("tt_linear", "embeddings", "memory_passes", "rank_adaptive", "six_encoder_step", "galore")
 # Run only when named (--only): long training runs rather than timings; what the profiler hooks cost; and the
 # device step, which runs by default under --device.
-OPT_IN = ("ra_control", "device_step", "profiling")
+OPT_IN = ("ra_control", "ra_teachers", "device_step", "profiling")
 # What --device runs (each module's run takes device=): per-layer figures, then the six-encoder step.
 DEVICE_SUITE = ("tt_linear", "embeddings", "device_step")
 

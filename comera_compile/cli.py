@@ -294,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--only", nargs="+", metavar="NAME", default=None,
                    help="run only these benchmarks (tt_linear, embeddings, memory_passes, rank_adaptive, "
                         "six_encoder_step, galore; and, only when named, ra_control: rank adaptation against "
-                        "a model built at its final ranks, about 30 minutes; profiling: what the TT layers' "
+                        "a model built at its final ranks, about 30 minutes; ra_teachers: ranks found on teachers of "
+                        "known ranks, against uniform ranks; profiling: what the TT layers' "
                         "profiler hooks cost with the profiler off; device_step: see --device)")
     b.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="run the device suite on this device: TT linear, embeddings, and the six-encoder step at "

@@ -247,3 +247,26 @@ def test_device_suite_runs_on_the_cpu(tmp_path):
     assert {r["precision"] for r in rows} == {"fp32", "bf16"}
     assert all(r["CoMERA ms"] > 0 and r["dense compiled ms"] > 0 for r in rows)
     assert "CoMERA vs dense compiled" in (tmp_path / "report.md").read_text()
+
+
+def test_ra_teachers_cases_have_the_teachers_ranks_and_a_frontier():
+    """The teachers hold the ranks their case names (a dense teacher's found from its unfoldings, checked
+    against the matrix rank computed by torch.linalg); a short run reports ranks, sizes and a frontier."""
+    from comera_compile.benchmarks import ra_teachers as T
+
+    for case in T.CASES:
+        teacher = T.teacher_data(case)[0]
+        for (n_in, n_out, rank), layer in zip(case.layers, teacher.layers):
+            if rank is not None:
+                assert max(layer.ranks) == rank and layer.in_features == n_in and layer.out_features == n_out
+    dense = next(c for c in T.CASES if any(r is None for _, _, r in c.layers))
+    weight = T.teacher_data(dense)[0].layers[0].weight
+    student = T.Net(dense, rank=16).layers[0]
+    ranks = T.exact_ranks(weight, student)
+    # the bond between the input and output halves of the train is the matrix's own rank
+    assert ranks[len(student.spec.in_modes)] == int(torch.linalg.matrix_rank(weight.double(), rtol=1e-5)) == 5
+    row = T.run_case(T.CASES[0], steps=5, uniform=(2, 16))
+    assert [f["rank"] for f in row["frontier"]] == [2, 16]
+    assert row["frontier"][0]["size"] < row["size"] <= row["frontier"][1]["size"]
+    assert row["best_uniform"]["rank"] == 16
+    assert "found (1, " in T.format_rows([row])
