@@ -155,8 +155,13 @@ def run_case(case: Case, steps: int = STEPS, uniform: tuple[int, ...] = UNIFORM)
     teacher = data[0]
     torch.manual_seed(100)
     student = Net(case, rank=16)
-    ra = fit(student, data, adapt=True, steps=steps)
-    found = ra.ranks()
+    diverged = None
+    try:
+        ra = fit(student, data, adapt=True, steps=steps)
+        found = ra.ranks()
+    except FloatingPointError as error:   # RankAdaptive's divergence check: reported, not raised
+        diverged = str(error)
+        found = {name: m.ranks for name, m in student.named_modules() if isinstance(m, TTLinear)}
     need = {}
     for name, m in teacher.named_modules():
         if isinstance(m, TTLinear):
@@ -164,6 +169,7 @@ def run_case(case: Case, steps: int = STEPS, uniform: tuple[int, ...] = UNIFORM)
         elif isinstance(m, _DenseLowRank):
             need[name] = exact_ranks(m.weight, student.get_submodule(name))
     size = tt_size(student, found)
+    mse = float("inf") if diverged else held_out(student, data)
     frontier = []
     for r in uniform:
         torch.manual_seed(100)
@@ -173,7 +179,7 @@ def run_case(case: Case, steps: int = STEPS, uniform: tuple[int, ...] = UNIFORM)
     bigger = [f for f in frontier if f["size"] >= size]
     best = min(bigger, key=lambda f: f["mse"]) if bigger else None
     return {"case": case.name, "steps": steps, "found": {k: found[k] for k in sorted(found)},
-            "need": {k: need[k] for k in sorted(need)}, "mse": held_out(student, data), "size": size,
+            "need": {k: need[k] for k in sorted(need)}, "mse": mse, "size": size, "diverged": diverged,
             "frontier": frontier, "best_uniform": best}
 
 
@@ -191,6 +197,8 @@ def format_rows(rows: list[dict]) -> str:
                    f"params; best uniform at least as large: "
                    + (f"rank {best['rank']}, {best['size']:,} params, MSE {best['mse']:.2f}x ({ratio})" if best
                       else "none"))
+        if row.get("diverged"):
+            out.append(f"    diverged: {row['diverged']}")
         for name in row["found"]:
             out.append(f"    {name or '(model)'}: found {row['found'][name]}, teacher {row['need'].get(name)}")
         out.append("    frontier: " + ", ".join(f"r{f['rank']} {f['size']:,}: {f['mse']:.2f}" for f in row["frontier"]))

@@ -9,7 +9,7 @@ import torch
 
 from .layers import TTLayer
 
-__all__ = ["balance", "canonicalize"]
+__all__ = ["balance", "canonicalize", "frobenius_norm"]
 
 
 def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -30,6 +30,17 @@ def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.
         gram = torch.einsum("jma,kma->jk", c, rhs)
         right[k] = gram
     return left, right
+
+
+@torch.no_grad()
+def frobenius_norm(layer: TTLayer) -> float:
+    """The Frobenius norm of the layer's weight (cores and gates), without forming it."""
+    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
+    if len(flat) < 2:
+        return float(flat[0].norm()) if flat else 0.0
+    g = [x.detach().double() for x in layer.gates]
+    left, right = _grams(flat, g)
+    return float(torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0)))
 
 
 @torch.no_grad()

@@ -53,11 +53,14 @@ import torch
 from torch import nn
 
 from . import distributed as _dist
-from .gauge import balance, canonicalize
+from .gauge import balance, canonicalize, frobenius_norm
 from .layers import DEFAULT_TAU
 from .optim import prefer_fast_implementation, retire, tt_layers
 
 __all__ = ["RankAdaptive"]
+
+# A layer whose weight's norm grows by more than this between two cut checks has diverged.
+DIVERGED_GROWTH = 1e3
 
 # Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
 # small einsums per bond).
@@ -149,6 +152,7 @@ class RankAdaptive:
             _dist.check_resharding(model, self.layers)
         self._local_masks: dict[str, list[torch.Tensor]] = {}
         self._importance: dict[str, list[torch.Tensor]] = {}
+        self._norms: dict[str, tuple[int, float]] = {}   # each layer's weight norm at the last check
         self.history: list[_Record] = []
         self._update_size()
 
@@ -347,7 +351,9 @@ class RankAdaptive:
 
     def _check_finite(self) -> None:
         """Rounding a layer whose cores hold NaN or inf would fail deep inside an eigensolver (or, across
-        processes, look like replicas that disagree): say what happened instead."""
+        processes, look like replicas that disagree): say what happened instead.  A layer whose weight's
+        norm grew more than DIVERGED_GROWTH-fold since the last check has diverged too, while still finite:
+        its outputs are orders of magnitude off, and the loss never comes back; say so rather than train on."""
         bad = [f"{name}.{pname}" for name, layer in self.layers.items() for pname, p in layer.named_parameters()
                if not bool(torch.isfinite(p).all())]
         if bad:
@@ -355,6 +361,16 @@ class RankAdaptive:
                 f"RankAdaptive at step {self.steps}: {len(bad)} TT parameter(s) hold NaN or inf ({bad[0]}, ...): "
                 f"training diverged.  Lower the learning rate (param_groups(model, lr=...) sets cores at 2x and "
                 f"gates at 20x it) or clip gradients")
+        for name, layer in self.layers.items():
+            norm = frobenius_norm(layer)
+            step, before = self._norms.get(name, (self.steps, norm))
+            if before > 0 and norm > DIVERGED_GROWTH * before:
+                raise FloatingPointError(
+                    f"RankAdaptive at step {self.steps}: the weight of TT layer {name or '(the model)'} grew "
+                    f"{norm / before:.3g}-fold since step {step} (Frobenius norm {before:.3g} -> {norm:.3g}): "
+                    f"training diverged.  Lower the learning rate (param_groups(model, lr=...) sets cores at 2x "
+                    f"and gates at 20x it) or clip gradients")
+            self._norms[name] = (self.steps, norm)
 
     @staticmethod
     def _distributed() -> bool:

@@ -449,6 +449,24 @@ def test_diverged_training_is_named_at_the_next_check():
         ra.step()
 
 
+def test_a_layer_whose_weight_explodes_is_named_at_the_next_check():
+    """Still finite, but a layer's weight a thousand times larger than at the last check (as a diverging
+    run leaves it, its outputs at 1e9): an error naming the layer, not training on.  Its norm is checked
+    against the dense weight's."""
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, cut_every=2)
+    for _ in range(4):
+        assert not ra.step()
+    layer = model[2]
+    assert ra._norms["2"][1] == pytest.approx(float(layer.to_dense().norm()), rel=1e-4)
+    with torch.no_grad():
+        layer.cores[0].mul_(1e4)
+    ra.step()
+    with pytest.raises(FloatingPointError, match=r"TT layer 2 grew 1e\+04-fold since step 4.*training diverged"):
+        ra.step()
+
+
 @pytest.mark.parametrize("opt_cls,implementation", [(torch.optim.AdamW, "fused"), (torch.optim.RMSprop, "foreach")])
 def test_optimizer_built_from_param_groups_takes_its_fast_implementation(opt_cls, implementation):
     """An optimizer built from param_groups runs fused (else foreach) kernels from its first step, with the
