@@ -1,10 +1,12 @@
-"""What the TT layers' profiler hooks cost while the profiler is off (opt-in: ``--only profiling``).
+"""What the TT layers' profiler hooks cost while the profiler is off, and what the backend's profile option
+costs while on (opt-in: ``--only profiling``).
 
 A: the layers as shipped (each forward checks whether torch's profiler records); B: the same layers with
 the undecorated forward (no check at all).  Interleaved in one process, medians; the ratio A/B is the
 hooks' cost.  Two cases: one TT linear at 1 row, forward only (the check's cost is largest relative to the
-work there), and the six-encoder eager AdamW step at batch 1 x 128.  Also the per-layer table of
-``cc.profile`` for that step (what ``comera-compile bench --profile`` prints).
+work there), and the six-encoder eager AdamW step at batch 1 x 128.  Then the six-encoder's compiled step
+(cc.compile_step) with the backend's profile option against the default compile.  Also the per-layer
+tables of ``cc.profile`` for those steps (what ``comera-compile bench --profile`` prints).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def without_hooks(model: nn.Module) -> nn.Module:
     return model
 
 
-def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = False):
+def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = False, profile: bool = True):
     from comera_compile.examples import six_encoder
 
     torch.manual_seed(0)
@@ -56,7 +58,7 @@ def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = F
     ids, seg, mask = six_encoder.example_inputs(model, batch=batch, seq=128)
     target = torch.zeros(batch, dtype=torch.long)
     if compiled:
-        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, options={"profile": True})
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, options={"profile": True} if profile else None)
     else:
         step = eager_step(model, opt, nn.CrossEntropyLoss())
     return model, lambda: step(ids, seg, mask, target)
@@ -96,6 +98,16 @@ def run(quick: bool = False) -> list[dict]:
     rows.append({"benchmark": f"six-encoder eager AdamW step, 1 x 128, {layers} layers",
                  "hooks_ms": res["hooks"].median * 1e3, "no_hooks_ms": res["no hooks"].median * 1e3,
                  "ratio": res["hooks"].median / res["no hooks"].median})
+    # What the backend's profile option costs when on: the compiled step with each TT layer's part compiled
+    # on its own, against the default compile.
+    batch = 1 if quick else 8
+    _, split = _six_encoder(batch=batch, layers=layers, compiled=True)
+    _, whole = _six_encoder(batch=batch, layers=layers, compiled=True, profile=False)
+    res = compare({"profile": split, "default": whole}, warmup=3, repeat=5 if quick else 11)
+    rows.append({"benchmark": f"six-encoder compiled AdamW step (cc.compile_step), {batch} x 128, {layers} layers, "
+                              f"backend option profile on / off",
+                 "profile_ms": res["profile"].median * 1e3, "default_ms": res["default"].median * 1e3,
+                 "ratio": res["profile"].median / res["default"].median})
     return rows
 
 

@@ -161,14 +161,14 @@ def run_case(case: Case, steps: int = STEPS, uniform: tuple[int, ...] = UNIFORM)
         found = ra.ranks()
     except FloatingPointError as error:   # RankAdaptive's divergence check: reported, not raised
         diverged = str(error)
-        found = {name: m.ranks for name, m in student.named_modules() if isinstance(m, TTLinear)}
+        found = {name: None for name, m in student.named_modules() if isinstance(m, TTLinear)}
     need = {}
     for name, m in teacher.named_modules():
         if isinstance(m, TTLinear):
             need[name] = m.ranks
         elif isinstance(m, _DenseLowRank):
             need[name] = exact_ranks(m.weight, student.get_submodule(name))
-    size = tt_size(student, found)
+    size = tt_size(student, None if diverged else found)
     mse = float("inf") if diverged else held_out(student, data)
     frontier = []
     for r in uniform:
@@ -200,6 +200,7 @@ def format_rows(rows: list[dict]) -> str:
         if row.get("diverged"):
             out.append(f"    diverged: {row['diverged']}")
         for name in row["found"]:
-            out.append(f"    {name or '(model)'}: found {row['found'][name]}, teacher {row['need'].get(name)}")
+            found = row["found"][name] or "- (diverged)"
+            out.append(f"    {name or '(model)'}: found {found}, teacher {row['need'].get(name)}")
         out.append("    frontier: " + ", ".join(f"r{f['rank']} {f['size']:,}: {f['mse']:.2f}" for f in row["frontier"]))
     return "\n".join(out)
