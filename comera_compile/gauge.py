@@ -44,20 +44,11 @@ def frobenius_norm(layer: TTLayer) -> float:
 
 
 @torch.no_grad()
-def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
+def balance(layer: TTLayer) -> list[torch.Tensor]:
     """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
     L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
     ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
-    relative to the layer's Frobenius norm (comparable across layers).
-
-    With the optimizer's `state`, each gate's moments are carried into the new scale (first moments over
-    the gate's factor, second over its square), so Adam's next steps on a gate are the ones it would take in
-    the new gauge.  Left in the old scale, a gate the balance shrank a thousandfold sees gradients a thousand
-    times larger against second moments from before: Adam's first steps are then up to a few learning rates,
-    on a gate now a thousand times smaller, and its slice's term grows by orders of magnitude in a few
-    steps (a layer's output went from 0.9 to 1e9 in 20 steps; benchmarks/ra_teachers.py's six-head and
-    stacked teachers diverged).  The cores' moments stay as they are: carrying them as well (measured) made
-    the single-layer discovery of a dense rank-5 map collapse to rank 1."""
+    relative to the layer's Frobenius norm (comparable across layers)."""
     n = len(layer.cores)
     if n < 2:
         return []
@@ -75,13 +66,9 @@ def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
         fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
         fb = torch.where(ok, s / torch.where(ok, b, one), one)
         core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
-        fg = torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one)
         core_l.mul_(fa.to(core_l.dtype).reshape(*([1] * (core_l.dim() - 1)), -1))
         core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
-        gate.mul_(fg.to(gate.dtype))
-        for key, value in ((state or {}).get(gate) or {}).items():   # the gate's gradient scales by 1 / fg
-            if isinstance(value, torch.Tensor) and value.shape == gate.shape and value.dim() > 0:
-                value.div_((fg ** (2 if key in _SECOND_MOMENTS else 1)).to(value.dtype))
+        gate.mul_(torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one).to(gate.dtype))
         relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
     return relative
 

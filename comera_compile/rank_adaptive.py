@@ -242,11 +242,9 @@ class RankAdaptive:
         if self._sharded and not self._local_masks:
             self._local_masks = self._cut_masks()
         if (self.steps - 1) % BALANCE_EVERY == 0:
-            # FSDP2: whole tensors here, the optimizer's state too (balance carries the gates' moments)
-            with _dist.unsharded(self.model, self.layers, self.optimizer):
-                state = self.optimizer.state if self.optimizer is not None else None
+            with _dist.unsharded(self.model, self.layers):
                 for name, layer in self.layers.items():
-                    self._importance[name] = balance(layer, state)
+                    self._importance[name] = balance(layer)
         params = [g for layer in self.layers.values() for g in layer.gates]
         # FSDP2: this process's shards (the update is elementwise)
         gates = [_dist.local(g) for g in params] if self._sharded else params
