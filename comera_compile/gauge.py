@@ -32,6 +32,11 @@ def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.
     return left, right
 
 
+def _weight_norm(left: list[torch.Tensor], right: list[torch.Tensor], g: list[torch.Tensor]) -> torch.Tensor:
+    """The Frobenius norm of the layer's weight, from the Gram matrices of its first bond and that bond's gate."""
+    return torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
+
+
 @torch.no_grad()
 def frobenius_norm(layer: TTLayer) -> float:
     """The Frobenius norm of the layer's weight (cores and gates), without forming it."""
@@ -39,8 +44,7 @@ def frobenius_norm(layer: TTLayer) -> float:
     if len(flat) < 2:
         return float(flat[0].norm()) if flat else 0.0
     g = [x.detach().double() for x in layer.gates]
-    left, right = _grams(flat, g)
-    return float(torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0)))
+    return float(_weight_norm(*_grams(flat, g), g))
 
 
 @torch.no_grad()
@@ -55,7 +59,7 @@ def balance(layer: TTLayer) -> list[torch.Tensor]:
     flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
     g = [x.detach().double() for x in layer.gates]
     left, right = _grams(flat, g)
-    norm = torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
+    norm = _weight_norm(left, right, g)
     relative = []
     for k in range(n - 1):
         a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
