@@ -11,6 +11,13 @@ from .layers import TTLayer
 
 __all__ = ["balance", "canonicalize", "frobenius_norm"]
 
+# Optimizer state entries that are running averages of the squared gradient (they scale as its square).
+_SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
+
+# Below this fraction of its bond's largest, a singular value (canonicalize) or a half's column norm (balance)
+# is float32 noise: the direction gets a zero gate, the slice is not rescaled by it.
+_NEGLIGIBLE = 1e-6
+
 
 def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """For every bond k, the Gram matrices L_k^T L_k and R_k R_k^T of the train's two halves (gate k itself
@@ -48,11 +55,21 @@ def frobenius_norm(layer: TTLayer) -> float:
 
 
 @torch.no_grad()
-def balance(layer: TTLayer) -> list[torch.Tensor]:
+def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
     """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
     L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
     ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
-    relative to the layer's Frobenius norm (comparable across layers)."""
+    relative to the layer's Frobenius norm (comparable across layers).
+
+    With the optimizer's `state`, each gate's moments are carried into its new scale: a gate multiplied by f
+    has a gradient 1/f times the old one, so first moments are divided by f and second moments by f^2.
+    Left in the old scale, a gate the balance shrank a thousandfold meets gradients a thousand times larger
+    against second moments from before, and Adam's next steps on it are up to a few learning rates, on a gate
+    now a thousandth of its size: its slice's term grows by orders of magnitude, the next balance shrinks the
+    bond's other gates as much, and the layer diverges (benchmarks/ra_teachers.py's six-head and stacked
+    teachers did).  The cores' moments are left as they are: carrying them as well (measured on the
+    single-layer discovery of a dense rank-5 map, 8 seeds) ended 3 of 8 runs at 2x the noise or worse, one
+    collapsed to rank 1."""
     n = len(layer.cores)
     if n < 2:
         return []
@@ -65,54 +82,81 @@ def balance(layer: TTLayer) -> list[torch.Tensor]:
         a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
         term = a * g[k].abs() * b
         s = term.max()
-        ok = (a > 0) & (b > 0) & (s > 0)
+        # a slice with no term (a zero gate whose half of the train vanishes) keeps its scale: dividing by a
+        # vanishing norm would give its cores entries of 1e30 for nothing
+        ok = (a > _NEGLIGIBLE * a.max()) & (b > _NEGLIGIBLE * b.max()) & (s > 0)
         one = torch.ones_like(a)
         fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
         fb = torch.where(ok, s / torch.where(ok, b, one), one)
         core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
         core_l.mul_(fa.to(core_l.dtype).reshape(*([1] * (core_l.dim() - 1)), -1))
         core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
-        gate.mul_(torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one).to(gate.dtype))
+        fg = torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one)
+        gate.mul_(fg.to(gate.dtype))
+        for key, value in ((state or {}).get(gate) or {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == gate.shape and value.dim() > 0:
+                value.copy_((value.double() / fg ** (2 if key in _SECOND_MOMENTS else 1)).to(value.dtype))
         relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
     return relative
 
 
-def _half_inverse(gram: torch.Tensor, rtol: float = 1e-10) -> tuple[torch.Tensor, torch.Tensor]:
-    """(G^{1/2}, G^{+1/2}) of a symmetric PSD matrix, directions below rtol of its largest eigenvalue dropped."""
-    w, u = torch.linalg.eigh(gram)
-    keep = w > rtol * w.max().clamp_min(0)
-    root = torch.where(keep, w.clamp_min(0).sqrt(), torch.zeros_like(w))
-    inv = torch.where(keep, 1 / torch.where(keep, root, torch.ones_like(w)), torch.zeros_like(w))
-    return (u * root) @ u.T, (u * inv) @ u.T
-
-
-_SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
-
-
 @torch.no_grad()
 def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
-    """Rotate every bond of `layer` to its singular basis (TT rounding, left to right): the gates become the
-    singular values of the bond's unfolding, so a slice's gate is its true share and redundant slices get
-    zero gates.  The function is unchanged.  In the optimizer's `state` (if given) the rotated tensors'
-    first moments restart at zero and their second moments are averaged over the rotated axis."""
+    """Rotate every bond of `layer` to its singular basis (TT rounding): the gates become the singular values
+    of the bond's unfolding, so a slice's gate is its true share and redundant slices get zero gates.  The
+    function is unchanged (directions below 1e-6 of their bond's largest singular value are dropped).
+
+    The rounding is the orthogonal one: a QR sweep left to right leaves every core with orthonormal
+    columns, then an SVD sweep right to left reads each bond's singular values off one small core.  Every
+    step is an orthogonal rotation or a per-slice scale, so the cores keep entries of the size they had.
+    (Rotating each bond through the inverse square roots of its halves' Gram matrices gives the same gates,
+    but where a half's columns are nearly dependent its cores get entries in the thousands that cancel
+    each other; Adam's steps of a learning rate per entry then break the cancellation, and layers of
+    benchmarks/ra_teachers.py's six-head teacher grew a billionfold within 40 steps of a rounding.)
+
+    Every core and gate is rotated, so in the optimizer's `state` (if given) their first moments restart at
+    zero and their second moments are averaged over the rotated (rank) axes."""
     n = len(layer.cores)
-    for k in range(n - 1):
-        flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-        g = [x.detach().double() for x in layer.gates]
-        lefts, rights = _grams(flat, g)
-        root_l, inv_l = _half_inverse(lefts[k])
-        root_r, inv_r = _half_inverse(rights[k])
-        x, sigma, yh = torch.linalg.svd(root_l @ torch.diag(g[k]) @ root_r)
-        a, b = inv_l @ x, yh @ inv_r  # L_k -> L_k a (orthonormal columns), R_k -> b R_k
-        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
-        core_l.copy_(torch.einsum("...i,ij->...j", flat[k], a).reshape(core_l.shape).to(core_l.dtype))
-        core_r.copy_(torch.einsum("ji,i...->j...", b, flat[k + 1]).reshape(core_r.shape).to(core_r.dtype))
-        gate.copy_(sigma.to(gate.dtype))
-        for p, dim in ((core_l, core_l.dim() - 1), (core_r, 0), (gate, 0)):
-            st = state.get(p) if state is not None else None
-            for key, value in (st or {}).items():
-                if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-                    if key in _SECOND_MOMENTS:
-                        value.copy_(value.mean(dim, keepdim=True).expand_as(value))
-                    else:
-                        value.zero_()
+    if n < 2:
+        return
+    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
+    gates = [x.detach().double() for x in layer.gates]
+    for k in range(n - 1):  # left to right: core k -> Q (orthonormal columns), its R and gate into core k + 1
+        r0, m, r1 = flat[k].shape
+        q, rr = torch.linalg.qr((flat[k] * gates[k]).reshape(r0 * m, r1))
+        if q.shape[1] < r1:  # more slices than the bond can hold: the extra ones are zero
+            q = torch.cat([q, q.new_zeros(q.shape[0], r1 - q.shape[1])], 1)
+            rr = torch.cat([rr, rr.new_zeros(r1 - rr.shape[0], r1)], 0)
+        flat[k] = q.reshape(r0, m, r1)
+        flat[k + 1] = torch.einsum("ij,jmk->imk", rr, flat[k + 1])
+    sigma_right = torch.ones(1, dtype=torch.float64, device=flat[-1].device)
+    for k in range(n - 1, 0, -1):  # right to left: the singular values of bond k - 1, from core k alone
+        r0, m, r1 = flat[k].shape
+        u, sigma, vh = torch.linalg.svd((flat[k] * sigma_right).reshape(r0, m * r1), full_matrices=True)
+        rows = vh[:r0]
+        if rows.shape[0] < r0:
+            rows = torch.cat([rows, rows.new_zeros(r0 - rows.shape[0], rows.shape[1])], 0)
+        sigma = torch.cat([sigma, sigma.new_zeros(r0 - sigma.numel())])
+        # core k times diag(sigma_right) is now `rows` (orthonormal); a negligible direction of bond k keeps its
+        # column undivided, with a zero gate
+        live = sigma_right > _NEGLIGIBLE * sigma_right.max()
+        flat[k] = rows.reshape(r0, m, r1) / torch.where(live, sigma_right, torch.ones_like(sigma_right))
+        if k < n - 1:
+            gates[k] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
+        flat[k - 1] = torch.einsum("imj,jk->imk", flat[k - 1], u)
+        sigma_right = sigma
+    live = sigma_right > _NEGLIGIBLE * sigma_right.max()
+    gates[0] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
+    for k, core in enumerate(layer.cores):
+        core.copy_(flat[k].reshape(core.shape).to(core.dtype))
+    for gate, value in zip(layer.gates, gates):
+        gate.copy_(value.to(gate.dtype))
+    for p in (*layer.cores, *layer.gates):
+        st = state.get(p) if state is not None else None
+        axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
+        for key, value in (st or {}).items():
+            if isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
+                if key in _SECOND_MOMENTS:
+                    value.copy_(value.mean(axes, keepdim=True).expand_as(value))
+                else:
+                    value.zero_()

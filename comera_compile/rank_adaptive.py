@@ -242,9 +242,11 @@ class RankAdaptive:
         if self._sharded and not self._local_masks:
             self._local_masks = self._cut_masks()
         if (self.steps - 1) % BALANCE_EVERY == 0:
-            with _dist.unsharded(self.model, self.layers):
+            # FSDP2: whole tensors here, the optimizer's state too (balance carries the gates' moments)
+            with _dist.unsharded(self.model, self.layers, self.optimizer):
+                state = self.optimizer.state if self.optimizer is not None else None
                 for name, layer in self.layers.items():
-                    self._importance[name] = balance(layer)
+                    self._importance[name] = balance(layer, state)
         params = [g for layer in self.layers.values() for g in layer.gates]
         # FSDP2: this process's shards (the update is elementwise)
         gates = [_dist.local(g) for g in params] if self._sharded else params
@@ -283,6 +285,8 @@ class RankAdaptive:
                 state = self.optimizer.state if self.optimizer is not None else None
                 for name, layer in self.layers.items():
                     canonicalize(layer, state)
+                    # canonicalize left the gates' moments in the balanced scale (first ones restarted, second
+                    # ones averaged), not in the singular values' scale it leaves the gates in: nothing to carry
                     self._importance[name] = balance(layer)
                 self._switch_off()
                 if self.stage == "late":

@@ -105,15 +105,40 @@ def test_rank_discovery_at_defaults_finds_a_tt_teachers_ranks(width):
 
 
 def test_rank_discovery_at_defaults_finds_a_dense_matrix_rank_on_the_middle_bond():
-    """A dense rank-5 map: the bond between the input and output halves of the train is its matrix rank."""
-    torch.manual_seed(0)
-    w = torch.randn(64, 5) @ torch.randn(5, 64)
-    x, y, x_test, y_test = _teacher_data(lambda t: t @ w.t(), 64, 0)
+    """A dense rank-5 map: the bond between the input and output halves of the train is its matrix rank, for
+    every seed.  The held-out MSE is within 1.25x the noise for 4 of 5 seeds, not all: in about one run in ten
+    (3 of 40 seeds measured on the code before the orthogonal rounding, 2 of 12 after) an outer bond, which
+    this map needs at its full 16, loses its weakest slice early in training, and that run ends at 1.3-2x
+    the noise.  One seed alone would pass or fail with the rounding of unrelated changes."""
+    good = 0
+    for seed in range(5):
+        torch.manual_seed(seed)
+        w = torch.randn(64, 5) @ torch.randn(5, 64)
+        x, y, x_test, y_test = _teacher_data(lambda t: t @ w.t(), 64, 0)
+        torch.manual_seed(100 + seed)
+        student = TTLinear(64, 64, rank=64, bias=False)  # every bond at its largest meaningful rank
+        ra = _fit(student, x, y)
+        assert ra.ranks()[""][3] == 5, (seed, ra.ranks())
+        good += _held_out_mse(student, x_test, y_test) <= 1.25 * NOISE**2
+    assert good >= 4, good
+
+
+def test_six_layers_of_different_ranks_train_at_defaults_without_diverging():
+    """Six TT layers side by side, teachers of ranks 1 to 6: the rounding at step 200 used to give a layer's
+    cores entries in the tens of thousands that cancel each other, Adam's next steps broke the cancellation,
+    and the layer's weight grew a billionfold (the divergence check stopped the run at step 300).  At the
+    defaults the run now keeps learning through its first roundings."""
+    from comera_compile.benchmarks import ra_teachers
+
+    case = ra_teachers.CASES[1]
+    assert [r for _, _, r in case.layers] == [1, 2, 3, 4, 5, 6]
+    data = ra_teachers.teacher_data(case)
     torch.manual_seed(100)
-    student = TTLinear(64, 64, rank=64, bias=False)  # every bond at its largest meaningful rank
-    ra = _fit(student, x, y)
-    assert ra.ranks()[""][3] == 5, ra.ranks()
-    assert _held_out_mse(student, x_test, y_test) <= 1.25 * NOISE**2
+    student = ra_teachers.Net(case, rank=16)
+    seen = []
+    ra_teachers.fit(student, data, adapt=True, steps=500,
+                    progress=lambda step: seen.append(ra_teachers.held_out(student, data)) if step % 100 == 99 else None)
+    assert all(math.isfinite(m) for m in seen) and seen[-1] < 0.5 * seen[0], seen
 
 
 def test_rank_discovery_at_defaults_in_a_model_of_two_layers():
