@@ -67,7 +67,7 @@ def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
     against second moments from before, and Adam's next steps on it are up to a few learning rates, on a gate
     now a thousandth of its size.  Of 16 seeded runs of benchmarks/ra_teachers.py's six-head and stacked
     64-64-64 teachers, 4 diverged without this carry (and with the Gram rounding canonicalize replaced); 1
-    with the carry alone; none with both.  The cores' moments are left as they are: carrying them as well (single-layer discovery of a
+    with the carry and the Gram rounding; none with the carry and the QR rounding.  The cores' moments are left as they are: carrying them as well (single-layer discovery of a
     dense rank-5 map, 8 seeds) ended 3 of 8 runs at 2x the noise or worse, one of them
     collapsed to rank 1."""
     n = len(layer.cores)
