@@ -108,7 +108,7 @@ def test_rank_discovery_at_defaults_finds_a_dense_matrix_rank_on_the_middle_bond
     """A dense rank-5 map: the bond between the input and output halves of the train is its matrix rank, for
     every seed.  The held-out MSE is within 1.25x the noise for 4 of 5 seeds, not all: in about one run in ten
     (3 of 40 seeds measured on the code before the orthogonal rounding, 2 of 12 after) an outer bond, which
-    this map needs at its full 16, loses its weakest slice early in training, and that run ends at 1.3-2x
+    this map needs at its full 16, loses its weakest slice early in training, and that run ends at 1.25-4.3x
     the noise.  One seed alone would pass or fail with the rounding of unrelated changes."""
     good = 0
     for seed in range(5):
