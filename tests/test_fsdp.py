@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
 import warnings
 
@@ -109,8 +110,6 @@ def _run(rank: int, world: int, fn, *args) -> None:
         # A spawned worker whose work passed leaves without the interpreter's teardown: once in a full-suite
         # run, gloo's worker threads still held tensors at that point and the process aborted on exit
         # ("terminate called without an active exception", SIGABRT) after every check had passed.
-        import sys
-
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
