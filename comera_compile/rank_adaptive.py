@@ -1,5 +1,5 @@
 """Rank-adaptive training (the "RA" of CoMERA): rank gates, a two-stage multi-objective schedule, and rank
-slices cut out of the cores for real.  (About 460 lines: one class, and the rule it follows stated here in
+slices cut out of the cores for real.  (About 600 lines: one class, and the rule it follows stated here in
 full; the optimizer side is in optim.py, the gauges in gauge.py.)
 
 Between consecutive TT cores sits diag(g); training minimises (task loss L, model size S(g)).
@@ -24,8 +24,8 @@ slice: a gate g is shrunk by gamma x lr x max(0, 1 - |g|), the full l1 step for 
 one as strong as its bond's strongest.  Unneeded slices still reach exactly zero; the stronger a kept
 slice, the less it is held back.  On the demo's task the model ends larger than under l1 and closer to the
 unadapted model's accuracy (benchmarks/ra_control.py compares both).  ``penalty="l1"`` is the plain
-soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding, the
-optimizer's moments carried over as described in ``canonicalize``), so that redundant slices, which a random
+soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding; the cores' Adam
+moments restart, and ``gauge._restart_moments`` says why), so that redundant slices, which a random
 start spreads over every slice, become zero gates for the proximal step; gates it has driven to zero (below
 ``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
 factorized map's directions strongest first, and a weak direction still being learned sits in a small gate
