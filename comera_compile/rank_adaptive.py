@@ -25,7 +25,9 @@ one as strong as its bond's strongest.  Unneeded slices still reach exactly zero
 slice, the less it is held back.  On the demo's task the model ends larger than under l1 and closer to the
 unadapted model's accuracy (benchmarks/ra_control.py compares both).  ``penalty="l1"`` is the plain
 soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding; the cores' Adam
-moments restart, and ``gauge._restart_moments`` says why), so that redundant slices, which a random
+moments restart and the gates' first moments too, as ``gauge._restart_moments`` says, and the proximal step
+pauses for REBUILD_STEPS while those first moments rebuild: a weak slice the task still needs sits at a small
+gate right after a rounding and would meet the full penalty with none of Adam's pull), so that redundant slices, which a random
 start spreads over every slice, become zero gates for the proximal step; gates it has driven to zero (below
 ``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
 factorized map's directions strongest first, and a weak direction still being learned sits in a small gate
@@ -65,6 +67,10 @@ DIVERGED_GROWTH = 1e3
 # Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
 # small einsums per bond).
 BALANCE_EVERY = 10
+
+# Steps after a rounding without the proximal step (at most a tenth of cut_every): the rounding restarts the
+# gates' first moments at zero, and Adam's pull on a gate takes about 1 / (1 - beta1) steps to rebuild.
+REBUILD_STEPS = 10
 
 
 
@@ -239,6 +245,9 @@ class RankAdaptive:
                 0.9 * self._loss_ema + 0.1 * self._last_loss)
         # In the late stage the size target is the goal: once reached, no further slice is shrunk.
         shrinking = self.gamma > 0 and (self.stage == "early" or self.size() > self.size_target)
+        since_rounding = (self.steps - 1) % self.cut_every
+        if self.steps > self.cut_every and since_rounding < min(REBUILD_STEPS, self.cut_every // 10):
+            shrinking = False  # the gates' first moments are rebuilding after the last rounding
         if self._sharded and not self._local_masks:
             self._local_masks = self._cut_masks()
         if (self.steps - 1) % BALANCE_EVERY == 0:
