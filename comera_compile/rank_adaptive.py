@@ -24,12 +24,12 @@ slice: a gate g is shrunk by gamma x lr x max(0, 1 - |g|), the full l1 step for 
 one as strong as its bond's strongest.  Unneeded slices still reach exactly zero; the stronger a kept
 slice, the less it is held back.  On the demo's task the model ends larger than under l1 and closer to the
 unadapted model's accuracy (benchmarks/ra_control.py compares both).  ``penalty="l1"`` is the plain
-soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding; the cores' Adam
-moments restart and the gates' first moments too, as ``gauge._restart_moments`` says, and the proximal step
-pauses for REBUILD_STEPS while those first moments rebuild: a weak slice the task still needs sits at a small
-gate right after a rounding and would meet the full penalty with none of Adam's pull), so that redundant slices, which a random
-start spreads over every slice, become zero gates for the proximal step; gates it has driven to zero (below
-``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
+soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding), so
+that redundant slices, which a random start spreads over every slice, become zero gates for the proximal step
+(the cores' Adam moments restart, and the gates' first moments, as ``gauge._restart_moments`` says; the
+proximal step then pauses for REBUILD_STEPS while those first moments rebuild, since a weak slice the task
+still needs sits at a small gate right after a rounding and would meet the full penalty without Adam's
+pull); gates it has driven to zero (below ``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
 factorized map's directions strongest first, and a weak direction still being learned sits in a small gate
 that the task keeps pulling.
 
