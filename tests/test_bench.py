@@ -60,12 +60,23 @@ def test_ra_control_trains_three_models_and_builds_the_control_at_adapts_ranks()
         sizes = (*m.spec.in_modes, *m.spec.out_modes)
         r = ranks[name]
         assert m.tt_params() == sum(r[k] * n * r[k + 1] for k, n in enumerate(sizes)) + sum(r[1:-1])
+    def ranks_size(r, m):
+        sizes = (*m.spec.in_modes, *m.spec.out_modes)
+        return sum(r[k] * n * r[k + 1] for k, n in enumerate(sizes)) + sum(r[1:-1])
+
     ids = torch.randint(0, 300, (2, cfg.seq_len))
     assert model(ids, torch.arange(cfg.seq_len).expand(2, -1)).shape == (2, cfg.seq_len, 300)
 
-    rows = ra_control.run(steps=4, size="tiny", max_bytes=40_000, vocab_size=300, eval_blocks=8, compile=False)
+    rows = ra_control.run(steps=4, size="tiny", max_bytes=40_000, vocab_size=300, eval_blocks=8, compile=False,
+                          frontier=(2,))
     by = {r["run"]: r for r in rows}
-    assert set(by) == {"adapt", "fixed", "final"}
+    assert set(by) == {"adapt", "fixed", "final", "uniform"}
+    # the frontier's model is the tiny size at rank 2 throughout: its TT count is what those ranks imply
+    uniform = by["uniform"]
+    assert uniform["rank"] == 2 and uniform["tt_end"] == uniform["tt_start"]
+    assert all(max(r) <= 2 for r in uniform["ranks"].values())
+    assert uniform["tt_end"] == sum(ranks_size(r, layers[name]) for name, r in uniform["ranks"].items())
+    assert set(by["adapt"]["vs_uniform"]) == {2}
     assert by["fixed"]["tt_end"] == by["fixed"]["tt_start"]
     assert by["final"]["tt_end"] == by["adapt"]["tt_end"] and by["final"]["ranks"] == by["adapt"]["ranks"]
     for r in rows:
@@ -79,6 +90,48 @@ def test_ra_control_trains_three_models_and_builds_the_control_at_adapts_ranks()
         assert d["loss_se"] > 0 and d["accuracy_se"] >= 0
     text = ra_control.format_rows(rows)
     assert "built at adapt's final ranks" in text and "adapt - control" in text
+
+
+def test_ra_control_saves_each_run_and_resumes_only_under_the_same_settings(tmp_path, monkeypatch):
+    """A long comparison cut short loses nothing: every finished run is saved, a second call with the same
+    settings trains nothing and reports the same figures, and changed settings train again."""
+    from comera_compile.benchmarks import ra_control
+
+    settings = dict(steps=2, size="tiny", max_bytes=40_000, vocab_size=300, eval_blocks=8, compile=False,
+                    frontier=(2,), save_dir=tmp_path)
+    first = ra_control.run(**settings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapt.pt", "final.pt", "fixed.pt", "uniform2.pt"]
+    trained = []
+    real_train = ra_control.train
+    monkeypatch.setattr(ra_control, "train", lambda *a, **k: trained.append(a[0]) or real_train(*a, **k))
+    again = ra_control.run(**settings)
+    assert trained == [] and again == first
+    ra_control.run(**{**settings, "steps": 3})
+    assert trained == ["adapt", "fixed", "final", "fixed"]
+
+
+def test_frontier_at_interpolates_the_uniform_runs_in_log_size():
+    """The frontier between two uniform runs is linear in log(size), as np.interp on log sizes computes it;
+    outside the trained sizes there is no frontier to compare with."""
+    from comera_compile.benchmarks.ra_control import frontier_at
+
+    runs = [{"tt_end": n, "loss": loss, "rank": r} for n, loss, r in ((400, 1.0, 4), (100, 2.0, 2), (1600, 0.8, 8))]
+    for size in (100, 150, 200, 399, 400, 1000, 1600):
+        expected = np.interp(np.log(size), np.log([100, 400, 1600]), [2.0, 1.0, 0.8])
+        got = frontier_at(size, runs)
+        assert got["loss"] == pytest.approx(expected, abs=1e-12)
+        assert got["between"] == ((2, 4) if size <= 400 else (4, 8))
+    assert frontier_at(200, runs)["loss"] == pytest.approx(1.5)  # halfway in log size between 100 and 400
+    assert frontier_at(99, runs) is None and frontier_at(1601, runs) is None
+
+
+def test_last_quarter_change_reads_the_size_at_three_quarters_and_at_the_end():
+    from comera_compile.benchmarks.ra_control import last_quarter_change
+
+    trajectory = [(100 * i, 1000 - 10 * i) for i in range(1, 41)]   # 4,000 steps, one rounding per 100
+    assert last_quarter_change(trajectory, 4000) == pytest.approx((700 - 600) / 700)  # step 3,000 -> 4,000
+    assert last_quarter_change([(100, 50), (200, 50)], 200) == 0.0
+    assert last_quarter_change([(300, 50)], 200) is None  # no rounding by three quarters of the run
 
 
 @given(st.lists(st.floats(-10, 10), min_size=4, max_size=40), st.integers(1, 4))
