@@ -89,7 +89,8 @@ def train(kind: str, cfg: Any, data: Any, ranks: dict[str, tuple[int, ...]] | No
     """Train the demo's CoMERA model for cfg.steps steps on cfg.device -- kind "adapt" (RankAdaptive at its
     defaults, or with ``adapt_kwargs``), "fixed" (no adaptation, at cfg's rank) or "final" (built at
     `ranks`) -- and evaluate it on every held-out batch (the per-token scores under "tokens"; data.heldout
-    must be on cfg.device).  An adapt run's TT size after every rounding is under "trajectory"."""
+    must be on cfg.device).  An adapt run's active TT core parameters (``RankAdaptive.size()``) after every
+    rounding are under "trajectory"; "tt_end" counts the cut model's TT parameters, gates included."""
     from comera_compile.examples import code_mlm, demo_train
 
     device = torch.device(cfg.device)
@@ -132,7 +133,7 @@ def train(kind: str, cfg: Any, data: Any, ranks: dict[str, tuple[int, ...]] | No
 
 def frontier_at(size: int, frontier: Sequence[dict]) -> dict[str, Any] | None:
     """The uniform-rank frontier's held-out loss at `size` TT parameters: linear in log(size) between the two
-    uniform runs that bracket it (the run itself where one has exactly that size), with the two runs' names;
+    uniform runs that bracket it (the run itself where one has exactly that size), with those runs' ranks;
     None when `size` lies outside the frontier's range (no guess of the frontier beyond what was trained)."""
     pts = sorted((r["tt_end"], r["loss"], r["rank"]) for r in frontier)
     for (s0, l0, r0), (s1, l1, r1) in zip(pts, pts[1:]):
@@ -246,9 +247,9 @@ def format_rows(rows: list[dict]) -> str:
     traj = a.get("trajectory") or []
     if traj:
         marks = traj[max(0, len(traj) // 8 - 1)::max(1, len(traj) // 8)]
-        lines.append("  adapt's TT size by step: " + ", ".join(f"{s}: {n:,}" for s, n in marks))
+        lines.append("  adapt's active TT core parameters by step: " + ", ".join(f"{s}: {n:,}" for s, n in marks))
     if a.get("last_quarter_change") is not None:
-        lines.append(f"  TT size change over the last quarter of the run: {100 * a['last_quarter_change']:.1f}%")
+        lines.append(f"  their change over the last quarter of the run: {100 * a['last_quarter_change']:.1f}%")
     if a.get("frontier"):
         f = a["frontier"]
         verdict = "on or below" if a["loss"] <= f["loss"] else "above"
