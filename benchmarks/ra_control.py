@@ -30,7 +30,7 @@ import comera_compile as cc
 from comera_compile.layers import TTLinear
 from comera_compile.optim import tt_layers
 
-__all__ = ["run", "compare", "format_rows", "train", "frontier_at", "last_quarter_change"]
+__all__ = ["run", "compare", "format_rows", "plot", "train", "frontier_at", "last_quarter_change"]
 
 STEPS, QUICK_STEPS = 2000, 200
 
@@ -165,7 +165,7 @@ def run(quick: bool = False, steps: int | None = None, adapt_kwargs: dict[str, A
     "vs_fixed", "vs_control" and "vs_uniform" (by rank), and the frontier's loss at its size under
     "frontier".  With save_dir, each run is saved there as it finishes (<name>.pt, its per-token scores
     included) and a run already saved under the same settings is loaded instead of trained again, so a long
-    benchmark cut short resumes where it stopped."""
+    benchmark cut short resumes where it stopped; the plot (``plot``) goes there too, as frontier.png."""
     from comera_compile.examples import code_mlm
 
     base = code_mlm.PRESETS[preset] if preset in code_mlm.PRESETS else {}
@@ -198,7 +198,10 @@ def run(quick: bool = False, steps: int | None = None, adapt_kwargs: dict[str, A
     uniform = [once(f"uniform{r}", "fixed", replace(cfg, rank=r), data) for r in frontier]
     for row in uniform:
         row["run"] = "uniform"
-    return compare([adapt, *others, *uniform], steps)
+    rows = compare([adapt, *others, *uniform], steps)
+    if save_dir is not None:
+        plot(rows, Path(save_dir) / "frontier.png")
+    return rows
 
 
 def compare(rows: Sequence[dict], steps: int) -> list[dict]:
@@ -258,3 +261,50 @@ def format_rows(rows: list[dict]) -> str:
     elif any(r["run"] == "uniform" for r in rows):
         lines.append("  adapt's size lies outside the frontier's range: add smaller or larger uniform ranks")
     return "\n".join(lines)
+
+
+def plot(rows: Sequence[dict], path: str | Path) -> None:
+    """The comparison as a PNG: held-out loss against TT parameters (log scale) -- the uniform-rank frontier
+    as a line, adaptation, no adaptation and the control as points -- beside adaptation's active TT core
+    parameters at every rounding, with the last quarter of the run shaded (where the size should settle)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_f, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
+    uniform = sorted((r for r in rows if r["run"] == "uniform"), key=lambda r: r["tt_end"])
+    if uniform:
+        ax_f.plot([r["tt_end"] for r in uniform], [r["loss"] for r in uniform], "o-", color="tab:gray",
+                  label="uniform ranks (frontier)")
+        for r in uniform:
+            ax_f.annotate(f"r{r['rank']}", (r["tt_end"], r["loss"]), textcoords="offset points", xytext=(4, 4),
+                          fontsize=8, color="tab:gray")
+    styles = {"adapt": ("*", "tab:orange", "RankAdaptive"), "fixed": ("s", "tab:blue", "no adaptation"),
+              "final": ("^", "tab:green", "built at adapt's final ranks")}
+    for r in rows:
+        if r["run"] in styles:
+            marker, color, label = styles[r["run"]]
+            ax_f.plot([r["tt_end"]], [r["loss"]], marker, color=color, markersize=12 if marker == "*" else 8,
+                      linestyle="none", label=label)
+    ax_f.set_xscale("log")
+    ax_f.set_xlabel("TT parameters at the end")
+    ax_f.set_ylabel("held-out loss")
+    ax_f.set_title("adaptation against the uniform-rank frontier")
+    ax_f.legend(fontsize=8)
+    adapt = next((r for r in rows if r["run"] == "adapt"), None)
+    traj = adapt.get("trajectory") if adapt else None
+    if traj:
+        steps = adapt.get("steps") or traj[-1][0]
+        ax_t.plot([s for s, _ in traj], [n for _, n in traj], "-", color="tab:orange")
+        ax_t.axvspan(0.75 * steps, steps, color="tab:gray", alpha=0.15, label="last quarter")
+        change = adapt.get("last_quarter_change")
+        if change is not None:
+            ax_t.set_title(f"adaptation's size: {100 * change:.0f}% change over the last quarter")
+        ax_t.set_yscale("log")
+        ax_t.legend(fontsize=8)
+    ax_t.set_xlabel("step")
+    ax_t.set_ylabel("active TT core parameters")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

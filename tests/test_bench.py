@@ -100,7 +100,11 @@ def test_ra_control_saves_each_run_and_resumes_only_under_the_same_settings(tmp_
     settings = dict(steps=2, size="tiny", max_bytes=40_000, vocab_size=300, eval_blocks=8, compile=False,
                     frontier=(2,), save_dir=tmp_path)
     first = ra_control.run(**settings)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapt.pt", "final.pt", "fixed.pt", "uniform2.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapt.pt", "final.pt", "fixed.pt", "frontier.png",
+                                                          "uniform2.pt"]
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    ra_control.plot([r for r in first if r["run"] != "uniform"], tmp_path / "plain.png")  # no frontier run
+    assert (tmp_path / "plain.png").stat().st_size > 0
     trained = []
     real_train = ra_control.train
     monkeypatch.setattr(ra_control, "train", lambda *a, **k: trained.append(a[0]) or real_train(*a, **k))
