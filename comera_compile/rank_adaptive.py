@@ -25,13 +25,13 @@ one as strong as its bond's strongest.  Unneeded slices still reach exactly zero
 slice, the less it is held back.  On the demo's task the model ends larger than under l1 and closer to the
 unadapted model's accuracy (benchmarks/ra_control.py compares both).  ``penalty="l1"`` is the plain
 soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding), so
-that redundant slices, which a random start spreads over every slice, become zero gates for the proximal step
-(the cores' Adam moments restart, and the gates' first moments, as ``gauge._restart_moments`` says; the
-proximal step then pauses for REBUILD_STEPS while those first moments rebuild, since a weak slice the task
-still needs sits at a small gate right after a rounding and would meet the full penalty without Adam's
-pull); gates it has driven to zero (below ``tau``) are then switched off. Small gates are not switched off for being small: gradient descent learns a
-factorized map's directions strongest first, and a weak direction still being learned sits in a small gate
-that the task keeps pulling.
+that redundant slices, which a random start spreads over every slice, become zero gates for the proximal
+step (the cores' Adam moments restart, and the gates' first moments, as ``gauge._restart_moments`` says;
+the proximal step then pauses for REBUILD_STEPS while those first moments rebuild, since a weak slice the
+task still needs sits at a small gate right after a rounding and would meet the full penalty without
+Adam's pull); gates it has driven to zero (below ``tau``) are then switched off.  Small gates are not
+switched off for being small: gradient descent learns a factorized map's directions strongest first, and a
+weak direction still being learned sits in a small gate that the task keeps pulling.
 
 Late stage (optional, ``target_ratio`` and ``late_stage_at``): toward the point (target loss, target_ratio x
 size at the switch).  At every cut interval, when the size is further from its target than the loss from its
@@ -71,7 +71,6 @@ BALANCE_EVERY = 10
 # Steps after a rounding without the proximal step (at most a tenth of cut_every): the rounding restarts the
 # gates' first moments at zero, and Adam's pull on a gate takes about 1 / (1 - beta1) steps to rebuild.
 REBUILD_STEPS = 10
-
 
 
 @dataclass
