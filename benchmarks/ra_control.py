@@ -168,8 +168,7 @@ def run(quick: bool = False, steps: int | None = None, adapt_kwargs: dict[str, A
     benchmark cut short resumes where it stopped; the plot (``plot``) goes there too, as frontier.png."""
     from comera_compile.examples import code_mlm
 
-    base = code_mlm.PRESETS[preset] if preset in code_mlm.PRESETS else {}
-    steps = steps or (QUICK_STEPS if quick else base.get("steps") or STEPS)
+    steps = steps or (QUICK_STEPS if quick else code_mlm.PRESETS.get(preset, {}).get("steps") or STEPS)
     settings = {"minutes": None, "steps": steps, "eval_blocks": 10**6, "progress": False, **overrides}
     if device is not None:
         settings["device"] = device
