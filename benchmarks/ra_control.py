@@ -206,7 +206,10 @@ def run(quick: bool = False, steps: int | None = None, adapt_kwargs: dict[str, A
 def compare(rows: Sequence[dict], steps: int) -> list[dict]:
     """The report from trained runs (``train``'s rows, per-token scores included; the adapt run first): the
     adapt row gets its paired differences from every other run, the uniform frontier's loss at its size and
-    its size change over the last quarter of `steps`.  Rows come back without their per-token scores."""
+    its size change over the last quarter of `steps`.  The frontier is the uniform runs and, with them, the
+    run without adaptation: a uniform-rank model at the starting rank, the frontier's largest point, so that a
+    size between the largest uniform run and the start is read against it.  Rows come back without their
+    per-token scores."""
     adapt, *rest = [dict(r) for r in rows]
     if adapt["run"] != "adapt":
         raise ValueError(f"the first row must be the adapt run, got {adapt['run']!r}")
@@ -222,10 +225,15 @@ def compare(rows: Sequence[dict], steps: int) -> list[dict]:
         else:
             adapt["vs_fixed" if other["run"] == "fixed" else "vs_control"] = d
     uniform = [r for r in rest if r["run"] == "uniform"]
-    adapt["frontier"] = frontier_at(adapt["tt_end"], uniform) if uniform else None
+    adapt["frontier"] = frontier_at(adapt["tt_end"], uniform + _unadapted(rest)) if uniform else None
     adapt["last_quarter_change"] = last_quarter_change(adapt["trajectory"], steps)
     adapt["steps"] = steps
     return [{k: v for k, v in row.items() if k != "tokens"} for row in [adapt, *rest]]
+
+
+def _unadapted(rows: Sequence[dict]) -> list[dict]:
+    """The run without adaptation (uniform at the starting rank), as a frontier point."""
+    return [r for r in rows if r["run"] == "fixed" and r.get("rank") is not None]
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -264,7 +272,7 @@ def format_rows(rows: list[dict]) -> str:
 
 def plot(rows: Sequence[dict], path: str | Path) -> None:
     """The comparison as a PNG: held-out loss against TT parameters (log scale) -- the uniform-rank frontier
-    as a line, adaptation, no adaptation and the control as points -- beside adaptation's active TT core
+    (the uniform runs and the run without adaptation) as a line, adaptation, no adaptation and the control as points -- beside adaptation's active TT core
     parameters at every rounding, with the last quarter of the run shaded (where the size should settle)."""
     import matplotlib
 
@@ -272,7 +280,8 @@ def plot(rows: Sequence[dict], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_f, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    uniform = sorted((r for r in rows if r["run"] == "uniform"), key=lambda r: r["tt_end"])
+    uniform = [r for r in rows if r["run"] == "uniform"]
+    uniform = sorted(uniform + (_unadapted(rows) if uniform else []), key=lambda r: r["tt_end"])
     if uniform:
         ax_f.plot([r["tt_end"] for r in uniform], [r["loss"] for r in uniform], "o-", color="tab:gray",
                   label="uniform ranks (frontier)")

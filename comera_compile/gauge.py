@@ -14,9 +14,18 @@ __all__ = ["balance", "canonicalize", "frobenius_norm"]
 # Optimizer state entries that are running averages of the squared gradient (they scale as its square).
 _SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
 
-# Below this fraction of its bond's largest, a singular value (canonicalize) or a half's column norm (balance)
-# is float32 noise: the direction gets a zero gate, the slice is not rescaled by it.
+# Below this fraction of its bond's largest, a half's column norm (balance) is float32 noise: the slice is not
+# rescaled by it.
 _NEGLIGIBLE = 1e-6
+
+# Below this fraction of its bond's largest, canonicalize gives a singular direction a zero gate (dropped).
+# Not 1e-6: in the rounded form a core's slice between two bonds carries 1 / sigma of each, so a direction
+# kept at 1e-6 leaves core entries up to 1e4-1e6 between two near-zero gates, where the balanced gauge
+# (which normalises each half of the train as a whole) cannot see them; the next Adam steps move both gates
+# by about a learning rate and the weight by (step)^2 / sigma.  On benchmarks/ra_teachers.py's six-head
+# teacher (seed 2, pull_below 0.25) that blew the layer up 1e5-fold four steps after the first rounding; at
+# 1e-4 none of 24 runs diverged.  A direction this weak is 1e-4 of its bond's weight: no slice being learned.
+_DROPPED = 1e-4
 
 
 def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -104,7 +113,8 @@ def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
 def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
     """Rotate every bond of `layer` to its singular basis (TT rounding): the gates become the singular values
     of the bond's unfolding, so a slice's gate is its true share and redundant slices get zero gates.  The
-    function is unchanged (directions below 1e-6 of their bond's largest singular value are dropped).
+    function is unchanged but for directions below 1e-4 of their bond's largest singular value (dropped: see
+    _DROPPED).
 
     The rounding works on the cores themselves: a QR sweep left to right leaves every core with orthonormal
     columns, then an SVD sweep right to left reads each bond's singular values off one small core.  (The same
@@ -140,13 +150,13 @@ def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
         sigma = torch.cat([sigma, sigma.new_zeros(r0 - sigma.numel())])
         # core k times diag(sigma_right) is now `rows` (orthonormal); a negligible direction of bond k keeps its
         # column undivided, with a zero gate
-        live = sigma_right > _NEGLIGIBLE * sigma_right.max()
+        live = sigma_right > _DROPPED * sigma_right.max()
         flat[k] = rows.reshape(r0, m, r1) / torch.where(live, sigma_right, torch.ones_like(sigma_right))
         if k < n - 1:
             gates[k] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
         flat[k - 1] = torch.einsum("imj,jk->imk", flat[k - 1], u)
         sigma_right = sigma
-    live = sigma_right > _NEGLIGIBLE * sigma_right.max()
+    live = sigma_right > _DROPPED * sigma_right.max()
     gates[0] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
     for k, core in enumerate(layer.cores):
         core.copy_(flat[k].reshape(core.shape).to(core.dtype))

@@ -114,6 +114,25 @@ def test_ra_control_saves_each_run_and_resumes_only_under_the_same_settings(tmp_
     assert trained == ["adapt", "fixed", "final", "fixed"]
 
 
+def test_compare_reads_adaptation_against_a_frontier_that_ends_at_the_unadapted_model():
+    """The model without adaptation is the uniform-rank model at the starting rank: a size between the
+    largest uniform run and the start lies on the frontier, interpolated toward that run (not 'outside')."""
+    from comera_compile.benchmarks.ra_control import compare, format_rows
+
+    tokens = {"loss": torch.tensor([1.0, 2.0]), "correct": torch.tensor([1.0, 0.0]), "block": torch.tensor([0, 1])}
+
+    def row(run, rank, size, loss):
+        return {"run": run, "rank": rank, "tt_start": 400, "tt_end": size, "loss": loss, "accuracy": 0.5,
+                "accuracy_se": 0.1, "masked_tokens": 2, "tokens": tokens, "trajectory": [(100, size)]}
+
+    rows = compare([row("adapt", None, 200, 5.40), row("fixed", 32, 400, 5.46), row("uniform", 8, 100, 5.50)], 100)
+    f = rows[0]["frontier"]
+    assert f["between"] == (8, 32) and f["loss"] == pytest.approx(5.50 - 0.04 * 0.5)
+    assert "on or below it" in format_rows(rows)
+    alone = compare([row("adapt", None, 200, 5.40), row("fixed", 32, 400, 5.46)], 100)
+    assert alone[0]["frontier"] is None  # no uniform run asked for: no frontier
+
+
 def test_frontier_at_interpolates_the_uniform_runs_in_log_size():
     """The frontier between two uniform runs is linear in log(size), as np.interp on log sizes computes it;
     outside the trained sizes there is no frontier to compare with."""
