@@ -272,8 +272,9 @@ def format_rows(rows: list[dict]) -> str:
 
 def plot(rows: Sequence[dict], path: str | Path) -> None:
     """The comparison as a PNG: held-out loss against TT parameters (log scale) -- the uniform-rank frontier
-    (the uniform runs and the run without adaptation) as a line, adaptation, no adaptation and the control as points -- beside adaptation's active TT core
-    parameters at every rounding, with the last quarter of the run shaded (where the size should settle)."""
+    (the uniform runs and the run without adaptation) as a line, adaptation, no adaptation and the control
+    as points -- beside adaptation's active TT core parameters at every rounding, with the last quarter of
+    the run shaded (where the size should settle)."""
     import matplotlib
 
     matplotlib.use("Agg")

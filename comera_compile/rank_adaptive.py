@@ -29,14 +29,14 @@ demo's masked-language task every slice is worth a little, and its long preset (
 by half over the last quarter, toward rank 1 in longer runs, at a held-out loss 0.05 above the unadapted
 model's.  With 0.15 the same run settles (7% over the last quarter) at 0.7x the size and a loss below
 the unadapted model's, and the teachers' ranks are found as before (docs/method.md has the figures).
-``penalty="l1"`` is the plain soft threshold.  Every ``cut_every`` steps each bond is rotated to its singular basis (TT rounding), so
-that redundant slices, which a random start spreads over every slice, become zero gates for the proximal
-step (the cores' Adam moments restart, and the gates' first moments, as ``gauge._restart_moments`` says;
-the proximal step then pauses for REBUILD_STEPS while those first moments rebuild, since a weak slice the
-task still needs sits at a small gate right after a rounding and would meet the full penalty without
-Adam's pull); gates it has driven to zero (below ``tau``) are then switched off.  Small gates are not
-switched off for being small: gradient descent learns a factorized map's directions strongest first, and a
-weak direction still being learned sits in a small gate that the task keeps pulling.
+``penalty="l1"`` is the plain soft threshold. Every ``cut_every`` steps each bond is rotated to its singular
+basis (TT rounding), so that redundant slices, which a random start spreads over every slice, become zero
+gates for the proximal step (the cores' Adam moments restart, and the gates' first moments, as
+``gauge._restart_moments`` says; the proximal step then pauses for REBUILD_STEPS while those first moments
+rebuild, since a weak slice the task still needs sits at a small gate right after a rounding and would meet
+the full penalty without Adam's pull); gates it has driven to zero (below ``tau``) are then switched off.
+Small gates are not switched off for being small: gradient descent learns a factorized map's directions
+strongest first, and a weak direction still being learned sits in a small gate that the task keeps pulling.
 
 Late stage (optional, ``target_ratio`` and ``late_stage_at``): toward the point (target loss, target_ratio x
 size at the switch).  At every cut interval, when the size is further from its target than the loss from its
@@ -97,17 +97,17 @@ class RankAdaptive:
     re-allocated (new Parameters): a DistributedDataParallel wrapper must then be rebuilt.  Reports:
     ``ranks()``, ``allocated_ranks()``, ``size()``, ``compression()``, ``report()``, ``history``.
 
-    Defaults are meant to be left alone, with the learning rates of ``param_groups(model, lr)``: gamma = 0.1
-    (a tenth of an Adam step per step toward zero, for a gate near zero; ``penalty="mcp"`` fades the pull to
-    none at ``pull_below`` = 0.15 of its bond's strongest, ``"l1"`` keeps it), tau = 1e-6 (gates the proximal step zeroed are off), a
-    rounding and cut check every 100 steps, and a
-    re-allocation when at least half the allocated TT parameters are switched off (``realloc_at``; None
-    keeps the allocation until an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training, such
-    as the transformers Trainer's; under FSDP2 a re-allocation re-shards in place, see distributed.py).
-    ``prox_lr`` is the gate learning rate the proximal step assumes while no optimizer is attached.  ``share_allocation`` (default) re-allocates layers of equal shape at
-    equal ranks (the largest active rank among them, bond by bond; the rest of a layer's extra slices stay
-    switched off), so repeated blocks keep sharing one compiled graph and a re-allocation costs one
-    recompile, not one per block; False allocates every layer at its own active ranks.
+    Defaults are meant to be left alone, with the learning rates of ``param_groups(model, lr)``: gamma = 0.1 (a
+    tenth of an Adam step per step toward zero, for a gate near zero; ``penalty="mcp"`` fades the pull to none at
+    ``pull_below`` = 0.15 of its bond's strongest, ``"l1"`` keeps it), tau = 1e-6 (gates the proximal step zeroed
+    are off), a rounding and cut check every 100 steps, and a re-allocation when at least half the allocated TT
+    parameters are switched off (``realloc_at``; None keeps the allocation until an explicit ``cut()``, for
+    wrappers that cannot be rebuilt mid-training, such as the transformers Trainer's; under FSDP2 a re-allocation
+    re-shards in place, see distributed.py). ``prox_lr`` is the gate learning rate the proximal step assumes
+    while no optimizer is attached. ``share_allocation`` (default) re-allocates layers of equal shape at equal
+    ranks (the largest active rank among them, bond by bond; the rest of a layer's extra slices stay switched
+    off), so repeated blocks keep sharing one compiled graph and a re-allocation costs one recompile, not one per
+    block; False allocates every layer at its own active ranks.
     """
 
     def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
