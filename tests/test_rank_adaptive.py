@@ -154,7 +154,7 @@ def test_six_layers_of_different_ranks_train_at_defaults_without_diverging():
     assert all(math.isfinite(m) for m in seen) and seen[-1] < 0.5 * seen[0], seen
 
 
-@pytest.mark.parametrize("seed", [2, 3])
+@pytest.mark.parametrize("seed", [pytest.param(2, marks=pytest.mark.slow), 3])
 def test_six_layers_of_different_ranks_are_found_at_defaults(seed):
     """Six TT layers side by side, teachers of ranks 1 to 6 (benchmarks/ra_teachers.py's seeds): every bond
     ends within 2 of the teacher's and the held-out MSE within 1.5x the noise.  With the concave pull
