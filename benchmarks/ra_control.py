@@ -224,16 +224,20 @@ def compare(rows: Sequence[dict], steps: int) -> list[dict]:
             adapt["vs_uniform"][other["rank"]] = d
         else:
             adapt["vs_fixed" if other["run"] == "fixed" else "vs_control"] = d
-    uniform = [r for r in rest if r["run"] == "uniform"]
-    adapt["frontier"] = frontier_at(adapt["tt_end"], uniform + _unadapted(rest)) if uniform else None
+    frontier = _frontier(rest)
+    adapt["frontier"] = frontier_at(adapt["tt_end"], frontier) if frontier else None
     adapt["last_quarter_change"] = last_quarter_change(adapt["trajectory"], steps)
     adapt["steps"] = steps
     return [{k: v for k, v in row.items() if k != "tokens"} for row in [adapt, *rest]]
 
 
-def _unadapted(rows: Sequence[dict]) -> list[dict]:
-    """The run without adaptation (uniform at the starting rank), as a frontier point."""
-    return [r for r in rows if r["run"] == "fixed" and r.get("rank") is not None]
+def _frontier(rows: Sequence[dict]) -> list[dict]:
+    """The uniform runs and, when there are any, the run without adaptation (uniform at the starting rank,
+    the frontier's largest point), by size."""
+    uniform = [r for r in rows if r["run"] == "uniform"]
+    if uniform:
+        uniform += [r for r in rows if r["run"] == "fixed" and r.get("rank") is not None]
+    return sorted(uniform, key=lambda r: r["tt_end"])
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -281,8 +285,7 @@ def plot(rows: Sequence[dict], path: str | Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_f, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
-    uniform = [r for r in rows if r["run"] == "uniform"]
-    uniform = sorted(uniform + (_unadapted(rows) if uniform else []), key=lambda r: r["tt_end"])
+    uniform = _frontier(rows)
     if uniform:
         ax_f.plot([r["tt_end"] for r in uniform], [r["loss"] for r in uniform], "o-", color="tab:gray",
                   label="uniform ranks (frontier)")
