@@ -36,8 +36,9 @@ _EXPORTS: dict[str, str] = {
     "Explanation": "comera_compile.report",
     "comera_backend": "comera_compile.backend",
     "compile_step": "comera_compile.backend",
-    "repeated_blocks": "comera_compile.backend",
-    "compile_block": "comera_compile.backend",
+    "repeated_blocks": "comera_compile.regional",
+    "compile_block": "comera_compile.regional",
+    "compile_blocks": "comera_compile.regional",
     "rewritten_graphs": "comera_compile.backend",
     "GraphReport": "comera_compile.logs",
     "profile": "comera_compile.profiling",
@@ -66,8 +67,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from comera_compile.backend import (comera_backend, compile_block, compile_step, repeated_blocks,
-                                        rewritten_graphs)
+    from comera_compile.backend import comera_backend, compile_step, rewritten_graphs
+    from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile
     from comera_compile.checkpoint import from_pretrained, save_pretrained

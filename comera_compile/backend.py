@@ -10,11 +10,12 @@ trees replay the compiled forward and backward with no per-kernel launch cost.
 from __future__ import annotations
 
 import functools
-import types
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.fx
+
+from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
 
 if TYPE_CHECKING:
     from comera_compile.logs import GraphReport
@@ -311,58 +312,6 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: the members of each outermost ModuleList or Sequential whose members
-    are two or more composite modules (with submodules and parameters) of one class: a transformer's stack
-    of layers, not a Sequential of plain Linears.  Compiled one by one, blocks of equal code and shapes
-    share one compiled graph: the compile cost of one block, not of all."""
-    containers = (torch.nn.ModuleList, torch.nn.Sequential)
-    holders = (torch.nn.ParameterList, torch.nn.ParameterDict)
-
-    def composite(m: torch.nn.Module) -> bool:
-        return any(not isinstance(c, holders) for c in m.children()) and next(m.parameters(), None) is not None
-
-    def visit(module: torch.nn.Module) -> list[torch.nn.Module]:
-        members = list(module.children())
-        if (isinstance(module, containers) and len(members) > 1 and len({type(m) for m in members}) == 1
-                and all(composite(m) for m in members)):
-            return members
-        return [block for child in members for block in visit(child)]
-
-    return visit(model)
-
-
-def compile_block(block: torch.nn.Module, **compile_kwargs: Any) -> None:
-    """``block.compile(**compile_kwargs)`` for any block, torch.nn's own classes included.
-
-    ``Module.compile`` compiles the block's ``_call_impl``, a frame in torch.nn that dynamo does not trace:
-    for a user's class it traces the forward that frame calls, but for one of torch.nn's
-    (``nn.TransformerEncoderLayer``) the forward is skipped too, and only calls that leave torch (a TT layer's
-    forward) are captured, each as a graph of its own.  Here the compiled frame is a function of this package
-    that calls the block, which dynamo traces and inlines the block into, as ``torch.compile(block)`` does,
-    without wrapping the block in another module (its name and state_dict keys stay the user's).  The function
-    has one code object per block class: dynamo keys its cache, recompile limit and automatic-dynamic state
-    on the code object, so blocks of one class share one compiled graph and other classes do not count
-    against it, as with ``Module.compile`` on a class's own forward."""
-    call = _block_call(type(block))
-    block._compiled_call_impl = torch.compile(
-        types.FunctionType(call.__code__, call.__globals__, call.__name__, None,
-                           (types.CellType(block._call_impl),)), **compile_kwargs)
-
-
-@functools.cache
-def _block_call(block_class: type) -> Callable[..., Any]:
-    """A function calling a block, with a code object of its own for block_class (see compile_block)."""
-    def call(*args: Any, **kwargs: Any) -> Any:
-        return call_impl(*args, **kwargs)
-
-    call_impl = None   # the cell; compile_block gives each block's function its own
-    name = f"compiled_{block_class.__name__}"
-    call.__code__ = call.__code__.replace(co_name=name)
-    call.__name__ = name
-    return call
-
-
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
@@ -381,8 +330,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     the multi-tensor one (``group["foreach"] = True``); both compute the same update.
     keep_memory calls keep_freed_memory() for models on the CPU (process-wide; False leaves malloc alone).
 
-    regional (default) compiles each of the model's repeated blocks on its own (compile_block, see
-    repeated_blocks) and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape
+    regional (default) compiles each of the model's repeated blocks on its own (regional.compile_blocks:
+    transformers' KV cache off unless a call asks for it, so layers share a graph at any depth) and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape
     share one compiled graph, so a six-layer encoder compiles in the time of one layer (about a third of
     the whole-step compile's time here) and a rank re-allocation recompiles one block's graph.  The blocks
     stay compiled when the model is called outside the step.  regional=False, or a model without repeated
@@ -407,10 +356,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         with torch.autocast(device_type, dtype=autocast):
             return loss_fn(model(*inputs), target)
 
-    blocks = repeated_blocks(model) if regional else []
+    blocks = compile_blocks(model, backend=backend, fullgraph=fullgraph, **kwargs) if regional else []
     if blocks:
-        for block in blocks:
-            compile_block(block, backend=backend, fullgraph=fullgraph, **kwargs)
         fwd = forward_loss
     else:
         fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)

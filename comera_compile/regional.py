@@ -1,0 +1,201 @@
+"""Regional compilation: a model's repeated blocks compiled one by one, sharing one graph per block class.
+
+``repeated_blocks`` finds a model's stack of layers, ``compile_block`` compiles one block so that blocks of a
+class share dynamo's cache, and ``compile_blocks`` does both for a whole model and keeps the blocks' inputs
+equal across layers: transformers' key/value cache, whose per-layer state dynamo guards layer by layer, is
+off unless a call asks for it.  A block that dynamo would stop compiling (its recompile limit) is never run
+eagerly in silence: a warning names it, the guard's likely cause and the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["repeated_blocks", "compile_block", "compile_blocks", "cache_off_by_default", "eager_blocks"]
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the members of each outermost ModuleList or Sequential whose members
+    are two or more composite modules (with submodules and parameters) of one class: a transformer's stack
+    of layers, not a Sequential of plain Linears.  Compiled one by one, blocks of equal code and shapes
+    share one compiled graph: the compile cost of one block, not of all."""
+    containers = (nn.ModuleList, nn.Sequential)
+    holders = (nn.ParameterList, nn.ParameterDict)
+
+    def composite(m: nn.Module) -> bool:
+        return any(not isinstance(c, holders) for c in m.children()) and next(m.parameters(), None) is not None
+
+    def visit(module: nn.Module) -> list[nn.Module]:
+        members = list(module.children())
+        if (isinstance(module, containers) and len(members) > 1 and len({type(m) for m in members}) == 1
+                and all(composite(m) for m in members)):
+            return members
+        return [block for child in members for block in visit(child)]
+
+    return visit(model)
+
+
+def compile_block(block: nn.Module, *, name: str | None = None, **compile_kwargs: Any) -> None:
+    """``block.compile(**compile_kwargs)`` for any block, torch.nn's own classes included.
+
+    ``Module.compile`` compiles the block's ``_call_impl``, a frame in torch.nn that dynamo does not trace:
+    for one of torch.nn's classes (``nn.TransformerEncoderLayer``) only the calls that leave torch (a TT
+    layer's forward) would be captured, each as a graph of its own.  Here the compiled frame is a function of
+    this package that calls the block, which dynamo inlines the block into, without wrapping the block in
+    another module (its name and state_dict keys stay the user's).  The function has one code object per
+    block class: dynamo keys its cache and recompile limit on the code object, so blocks of one class share
+    one compiled graph and other classes do not count against it.
+
+    Where dynamo would run the block eagerly from its recompile limit on, it runs eagerly with a warning that
+    names the block (``name``, else its class) and the fix; with ``fullgraph=True`` that is an error.  A call
+    that hands the block a transformers KV cache runs eagerly with a warning (each layer's cache state is
+    guarded per layer, so every layer would compile a graph of its own): ``compile_blocks`` turns the cache
+    off by default."""
+    call = _block_call(type(block))
+    compiled = torch.compile(types.FunctionType(call.__code__, call.__globals__, call.__name__, None,
+                                                (types.CellType(block._call_impl),)), **compile_kwargs)
+    block._compiled_call_impl = _dispatch(block, compiled, name or type(block).__name__,
+                                          bool(compile_kwargs.get("fullgraph", False)))
+
+
+@functools.cache
+def _block_call(block_class: type) -> Callable[..., Any]:
+    """A function calling a block, with a code object of its own for block_class (see compile_block)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return call_impl(*args, **kwargs)
+
+    call_impl = None   # the cell; compile_block gives each block's function its own
+    name = f"compiled_{block_class.__name__}"
+    call.__code__ = call.__code__.replace(co_name=name)
+    call.__name__ = name
+    return call
+
+
+def _is_kv_cache(value: Any) -> bool:
+    return any(c.__name__ == "Cache" and c.__module__.startswith("transformers.")
+               for c in type(value).__mro__)
+
+
+def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgraph: bool) -> Callable[..., Any]:
+    """The block's call: the compiled function, or the block's own call where compiling cannot serve."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    config = torch._dynamo.config
+    flag = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else None
+    call_impl = block._call_impl
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling() or block.__dict__.get("_comera_eager"):   # (in another compile: traced)
+            return call_impl(*args, **kwargs)
+        if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
+            _eager(block, name, "it was handed a transformers KV cache, whose state dynamo guards layer by "
+                   "layer (every layer would compile a graph of its own)",
+                   "pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
+                   "which turns the cache off unless a call asks for it", remember=False)
+            return call_impl(*args, **kwargs)
+        if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
+            return compiled(*args, **kwargs)
+        before = getattr(config, flag)
+        setattr(config, flag, True)
+        try:
+            return compiled(*args, **kwargs)
+        except FailOnRecompileLimitHit as e:
+            setattr(config, flag, before)
+            limit = getattr(config, "recompile_limit", getattr(config, "cache_size_limit", "?"))
+            why = (f"dynamo's recompile limit ({limit} graphs per block class) was reached: its inputs or "
+                   f"attributes match none of the graphs compiled for {type(block).__name__} so far")
+            fix = ("see which guard failed with TORCH_LOGS=recompiles; make the blocks' inputs and attributes "
+                   "equal across layers (a per-layer int or flag read in forward), or raise "
+                   "torch._dynamo.config.recompile_limit")
+            if fullgraph:
+                raise RuntimeError(f"compiled block {name} cannot be compiled: {why}. To fix it, {fix}") from e
+            _eager(block, name, why, fix)
+            return call_impl(*args, **kwargs)
+        finally:
+            setattr(config, flag, before)
+
+    return run
+
+
+def _eager(block: nn.Module, name: str, why: str, fix: str, remember: bool = True) -> None:
+    """Warn (once per block and cause) that the block runs eagerly; remember=True keeps it eager."""
+    seen = getattr(block, "_comera_eager_warned", set())
+    if why not in seen:
+        seen.add(why)
+        block._comera_eager_warned = seen
+        warnings.warn(f"comera_compile: block {name} runs eagerly{' from now on' if remember else ''}: {why}. "
+                      f"To fix it, {fix}.", UserWarning, stacklevel=4)
+    if remember:
+        block._comera_eager = why
+
+
+def eager_blocks(model: nn.Module) -> dict[str, str]:
+    """The model's compiled blocks that run eagerly from now on, by qualified name, with the reason."""
+    return {n: m._comera_eager for n, m in model.named_modules() if m.__dict__.get("_comera_eager")}
+
+
+def _use_cache_position(module: nn.Module) -> int | None:
+    """Where ``use_cache`` sits among the module's forward arguments, if its config has the flag too."""
+    if not hasattr(getattr(module, "config", None), "use_cache"):
+        return None
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index("use_cache") if "use_cache" in params else None
+
+
+def _no_cache_unless_asked(position: int) -> Callable[..., tuple[tuple, dict]]:
+    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        if len(args) > position:
+            if args[position] is None:
+                args = (*args[:position], False, *args[position + 1:])
+        elif kwargs.get("use_cache") is None:
+            kwargs["use_cache"] = False
+        return args, kwargs
+
+    return hook
+
+
+def cache_off_by_default(model: nn.Module) -> int:
+    """Make transformers' key/value cache off unless a call passes ``use_cache=True``.
+
+    A forward pass that computes a loss never reads the cache, and its per-layer state (which layers were
+    filled) is guarded by dynamo layer by layer, so with the cache on every layer compiles a graph of its
+    own.  ``generate()`` passes ``use_cache`` explicitly and keeps its cache.  A forward pre-hook on every
+    module whose config has ``use_cache`` and whose forward takes it; the config is left as it is.  Returns
+    the number of modules hooked (0 for a model that is not a transformers one); calling it again hooks
+    nothing twice."""
+    hooked = 0
+    for module in model.modules():
+        position = _use_cache_position(module)
+        if position is not None and module.__dict__.get("_comera_cache_hook") is None:
+            module._comera_cache_hook = module.register_forward_pre_hook(_no_cache_unless_asked(position),
+                                                                         with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
+    """Compile the model's repeated blocks one by one (``compile_block``), in place, and turn transformers'
+    KV cache off unless a call asks for it (``cache_off_by_default``), so that every layer of a block class
+    shares one graph whatever the depth.  ``compile_kwargs`` are torch.compile's (``backend="comera"``
+    by default).  Returns the blocks compiled: none for a model without repeated blocks (compile it whole).
+    Use it before handing the model to a training loop or transformers' Trainer."""
+    compile_kwargs.setdefault("backend", "comera")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        inner = model.module
+    else:
+        inner = model
+    cache_off_by_default(inner)
+    names = {m: n for n, m in inner.named_modules()}
+    blocks = repeated_blocks(inner)
+    for block in blocks:
+        compile_block(block, name=names.get(block), **compile_kwargs)
+    return blocks

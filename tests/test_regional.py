@@ -1,0 +1,243 @@
+"""Regional compilation (comera_compile.regional) on transformers' decoders at the depth people train: one
+compiled graph per block class and input shape whatever the depth, the KV cache off unless asked for, a
+re-allocation recompiling once, and never a silent fallback to eager."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+import comera_compile as cc
+from comera_compile.regional import eager_blocks
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 12
+VOCAB = 256
+
+
+def _config(family: str) -> "transformers.PretrainedConfig":
+    small = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    if family == "llama":
+        return transformers.LlamaConfig(**small)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**small)
+    if family == "mistral":
+        return transformers.MistralConfig(**small, sliding_window=None)
+    return transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=LAYERS, n_head=4, n_positions=64,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _model(family: str) -> nn.Module:
+    torch.manual_seed(0)
+    cls = transformers.GPT2LMHeadModel if family == "gpt2" else transformers.AutoModelForCausalLM
+    model = cls(_config(family)) if family == "gpt2" else cls.from_config(_config(family))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cc.tensorize(model, rank=8, min_features=64)
+
+
+def _loss(out, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (2, 32), generator=g), torch.randint(0, VOCAB, (2, 32), generator=g)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
+def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dynamo):
+    """cc.compile_step at its defaults on a 12-layer decoder whose config keeps use_cache=True: every layer
+    runs the one graph compiled for its class (no recompile per layer, none eager), and the steps compute
+    what the eager model computes."""
+    model = _model(family)
+    assert model.config.use_cache
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.05)
+    step = cc.compile_step(model, _loss, opt)
+    assert len(cc.repeated_blocks(model)) == LAYERS
+    for i in range(2):
+        x, y = _batch(i)
+        got = step(x, y)
+        want = _loss(eager(x), y)
+        want.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    assert _graphs() == 1
+    assert eager_blocks(model) == {}
+
+
+def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_dynamo):
+    """On a 12-layer Llama: a RankAdaptive re-allocation costs one recompile for all twelve layers; eval
+    mode one more graph, whose logits are the eager model's; an explicit use_cache=True still gets a filled
+    cache (those calls run eagerly, said once)."""
+    model = _model("llama")
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=2, realloc_at=1.0)
+    step = cc.compile_step(model, _loss, opt)
+    x, y = _batch()
+    step(x, y)
+    ra.step()
+    with torch.no_grad():   # switch off 5 of 8 slices on every layer's middle bond
+        for layer in ra.layers.values():
+            layer.gates[1][:5] = 0.0
+    before = {name: layer.ranks for name, layer in ra.layers.items()}
+    assert ra.step()    # the cut check switches them off and re-allocates
+    assert all(layer.ranks != before[name] for name, layer in ra.layers.items())
+    assert _graphs() == 1
+    step(x, y)
+    assert _graphs() == 2
+    model.eval()
+    with torch.no_grad():
+        got = model(x).logits
+        assert _graphs() == 3
+        with torch.compiler.set_stance("force_eager"):
+            want = model(x).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        with pytest.warns(UserWarning, match="KV cache"):
+            out = model(x, use_cache=True)
+        assert out.past_key_values is not None and out.past_key_values.get_seq_length() == x.shape[1]
+        torch.testing.assert_close(out.logits, want, rtol=1e-4, atol=1e-5)
+    assert _graphs() == 3 and eager_blocks(model) == {}
+
+
+class _Indexed(nn.Module):
+    """A block that reads a per-layer int in its forward: dynamo guards it, so each layer needs a graph."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.index
+
+
+def test_a_block_past_the_recompile_limit_runs_eagerly_with_a_warning_naming_it(fresh_dynamo):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Indexed(i) for i in range(10)])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = model(x)
+    cc.compile_blocks(model, backend="eager")
+    with pytest.warns(UserWarning, match=r"block [89] runs eagerly from now on: dynamo's recompile limit") as record:
+        with torch.no_grad():
+            got = model(x)
+    assert any("block 9 runs eagerly" in str(w.message) for w in record)
+    assert any("TORCH_LOGS=recompiles" in str(w.message) for w in record)
+    torch.testing.assert_close(got, want)
+    assert eager_blocks(model).keys() == {"8", "9"}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")   # said once per block
+        torch.testing.assert_close(model(x), want)
+
+
+def test_with_fullgraph_a_block_past_the_recompile_limit_is_an_error(fresh_dynamo):
+    model = nn.Sequential(*[_Indexed(i) for i in range(10)])
+    cc.compile_blocks(model, backend="eager", fullgraph=True)
+    with pytest.raises(RuntimeError, match=r"compiled block 8 cannot be compiled: dynamo's recompile limit"):
+        model(torch.randn(2, 8))
+
+
+def test_cache_off_by_default_leaves_explicit_requests_and_generate_alone():
+    model = _model("llama")
+    model.eval()
+    x, _ = _batch()
+    with torch.no_grad():
+        want = model.generate(x[:1, :8], max_new_tokens=5, do_sample=False)
+        assert cc.regional.cache_off_by_default(model) == 2   # the LM and its inner decoder
+        assert cc.regional.cache_off_by_default(model) == 0   # never twice
+        assert model(x).past_key_values is None
+        assert model(x, use_cache=True).past_key_values.get_seq_length() == x.shape[1]
+        torch.testing.assert_close(model.generate(x[:1, :8], max_new_tokens=5, do_sample=False), want)
+    assert model.config.use_cache
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        model = _model("llama")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        step = cc.compile_step(ddp, _loss, torch.optim.SGD(model.parameters(), lr=0.05))
+        x, y = _batch()
+        losses = [float(step(x[rank:rank + 1], y[rank:rank + 1])) for _ in range(2)]
+        torch.save({"graphs": _graphs(), "eager": eager_blocks(model), "losses": losses}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_under_ddp_each_process_compiles_one_graph_for_twelve_layers(tmp_path):
+    out = str(tmp_path / "ddp")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}")
+        assert result["graphs"] == 1 and result["eager"] == {}
+        assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+def _readme_block(marker: str) -> str:
+    """The fenced python block that follows the marker comment in README.md."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
+    start = text.index("```python\n", text.index(marker)) + len("```python\n")
+    return textwrap.dedent(text[start:text.index("```", start)])
+
+
+def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp_path, monkeypatch, fresh_dynamo):
+    """README's transformers Trainer lines, run as written: the decoder layers compiled by "comera" (one
+    graph for all twelve), RankAdaptive's callback stepping with the Trainer's optimizer and cutting at the
+    end, and the saved model loading with cc.from_pretrained to the same logits."""
+    monkeypatch.chdir(tmp_path)
+    model = transformers.LlamaForCausalLM(_config("llama"))
+    g = torch.Generator().manual_seed(0)
+    train_data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, VOCAB, (32, 32), generator=g)]
+    steps = 4
+    names: dict = {"model": model, "train_data": train_data, "steps": steps}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exec(compile(_readme_block("<!-- trainer-lines -->"), "README.md", "exec"), names)
+    trainer, ra, loaded = names["trainer"], names["ra"], names["model"]
+    assert trainer.state.global_step == steps and ra.steps == steps and ra.optimizer is not None
+    assert _graphs() == 1 and eager_blocks(trainer.model) == {}
+    assert ra.allocated_ranks() == ra.ranks()   # the callback's final cut
+    x = train_data[0]["input_ids"][None]
+    with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        trainer.model.eval()
+        loaded.eval()
+        torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
