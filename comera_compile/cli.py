@@ -1,5 +1,5 @@
-"""The `comera-compile` command line: train dense vs CoMERA side by side (demo), inspect a model's TT rewrite,
-run the benchmark suite."""
+"""The `comera-compile` command line: train dense vs CoMERA side by side (demo: a masked LM; pretrain: a
+Llama-style causal LM, GaLore beside them), inspect a model's TT rewrite, run the benchmark suite."""
 
 from __future__ import annotations
 
@@ -205,6 +205,100 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _pretrain(args: argparse.Namespace, argv: list[str]) -> int:
+    from comera_compile.examples import lm_pretrain
+
+    given = {name: getattr(args, name) for name in _PRETRAIN_OPTIONS if getattr(args, name) is not None}
+    if args.methods is not None:
+        given["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if args.no_clip:
+        given["clip"] = None
+    if args.no_progress:
+        given["progress"] = False
+    if args.steps is not None and args.minutes is None:
+        given["minutes"] = None  # --steps alone: a step budget, not the preset's time budget with a step cap
+    try:
+        cfg = lm_pretrain.preset(args.preset, **given)
+        if args.nproc is not None and "WORLD_SIZE" not in os.environ:  # not yet under torchrun: start it
+            if args.nproc < 1:
+                raise SystemExit(f"comera-compile pretrain: --nproc must be at least 1, got {args.nproc}")
+            cfg.check(args.nproc)
+            return _launch(args.nproc, argv, cfg.device)
+        lm_pretrain.run(cfg)
+    except lm_pretrain.DemoError as e:
+        raise SystemExit(f"comera-compile pretrain: {e}") from e
+    return 0
+
+
+# Options of `pretrain` that map one to one onto PretrainConfig fields (None: the preset's value).
+_PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "seq_len", "vocab_size",
+                     "lr", "comera_lr", "comera_core_lr", "comera_gate_lr", "galore_lr", "warmup_steps", "clip", "rank", "galore_rank", "evals",
+                     "eval_blocks", "max_bytes", "val_fraction", "seed", "device", "threads")
+
+
+def _add_pretrain(sub: argparse._SubParsersAction) -> None:
+    from comera_compile.examples.lm_pretrain import METHODS, PRESETS, SHAPES
+
+    p = sub.add_parser(
+        "pretrain", help="Llama-style causal-LM pretraining: dense vs CoMERA vs GaLore on equal wall-clock",
+        description="Train a Llama-style decoder (transformers' LlamaForCausalLM, built from its config) from "
+                    "scratch three ways from one seed and batch order -- dense (Inductor), CoMERA (tensorize + "
+                    "RankAdaptive + backend 'comera') and GaLore (GaLoreAdamW) -- each on the same budget, with "
+                    "validation perplexity at equal time and equal tokens; writes table.md, curves.png and "
+                    "results.json to runs/pretrain-<timestamp>/.")
+    p.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                   help="model shape and budget: " + "; ".join(
+                       f"{k}: hidden {SHAPES[k].hidden}, intermediate {SHAPES[k].intermediate}, {SHAPES[k].heads} "
+                       f"heads, {SHAPES[k].layers} layers, "
+                       + (f"{v['minutes']:g} min" if v.get("minutes") else f"{v.get('steps')} steps")
+                       + f", batch {v.get('batch')}" for k, v in PRESETS.items()) + " (default tiny; options below override the preset's)")
+    p.add_argument("--methods", default=None, metavar="LIST",
+                   help=f"comma-separated methods to train, run in the order {','.join(METHODS)} (default: all)")
+    p.add_argument("--data", default=None, metavar="SOURCE",
+                   help="text to train on, as examples.lm_data reads it (default: the Python standard library's "
+                        "source)")
+    p.add_argument("--tokenizer", default=None, metavar="NAME",
+                   help="tokenizer to use (default: a byte-level BPE of --vocab-size trained on the training text)")
+    p.add_argument("--text-column", default=None, metavar="NAME", help="the text column of a dataset (default text)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="output directory (default: runs/pretrain-<YYYYmmdd-HHMMSS> under the current directory)")
+    for flag, kind, what in (
+            ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
+            ("--steps", int, "training steps per model (alone: the budget, and the schedule runs on steps; with "
+                             "--minutes: a cap)"),
+            ("--batch", int, "sequences per step (global, over --nproc processes)"),
+            ("--seq-len", int, "tokens per sequence (default 256)"),
+            ("--vocab-size", int, "BPE vocabulary trained on the data (default 4096)"),
+            ("--lr", float, "peak learning rate of dense AdamW, and of CoMERA's cc.param_groups(model, lr) "
+                            "(TT cores 2x, rank gates 20x) and GaLore unless given below (default 1e-3)"),
+            ("--comera-lr", float, "CoMERA's peak learning rate, cc.param_groups(model, lr) (default: the preset's, "
+                                   "else --lr)"),
+            ("--comera-core-lr", float, "CoMERA's TT cores' peak learning rate (default: the preset's, else "
+                                        "param_groups' 2 x --comera-lr)"),
+            ("--comera-gate-lr", float, "CoMERA's rank gates' peak learning rate (default: the preset's, else "
+                                        "param_groups' 20 x --comera-lr)"),
+            ("--galore-lr", float, "GaLore's peak learning rate (default: the preset's)"),
+            ("--warmup-steps", int, "linear warm-up steps before the cosine decay (default: the preset's; a tenth "
+                                    "of --steps with --steps alone)"),
+            ("--clip", float, "gradient-norm clipping (default 1.0)"),
+            ("--rank", int, "initial TT rank of CoMERA's decoder linears (default: the preset's)"),
+            ("--galore-rank", int, "GaLore's projection rank (default: the preset's)"),
+            ("--evals", int, "validation evaluations per model at equal marks of the budget (default 6)"),
+            ("--eval-blocks", int, "validation blocks evaluated (default: the preset's)"),
+            ("--max-bytes", int, "training text read, in bytes (default 8,000,000)"),
+            ("--val-fraction", float, "fraction of the documents held out for validation (default 0.05)"),
+            ("--seed", int, "seed of the initialisation and the batch order (default 0)")):
+        p.add_argument(flag, type=kind, default=None, help=what)
+    p.add_argument("--no-clip", action="store_true", help="no gradient clipping")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads (default: the preset's; tiny: 1, the others: torch's, all cores)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where the models train (default cpu)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="train data-parallel (DDP) on N local processes started through torchrun, each on its rows "
+                        "of every global batch, as demo --nproc")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 # Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
 _DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
                  "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
@@ -212,7 +306,7 @@ _DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser (its subcommands demo, inspect and bench)."""
+    """The command line's parser (its subcommands demo, pretrain, inspect and bench)."""
     parser = argparse.ArgumentParser(prog="comera-compile", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="masked-language-model pretraining on code, dense vs CoMERA side by side",
@@ -272,6 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_pretrain(sub)
     p = sub.add_parser("inspect", help="tensorize a model and print its rewritten graph and layer table")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--example", choices=EXAMPLES, help="a built-in example model")
@@ -319,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(args)
     if args.command == "demo":
         return _demo(args, argv)
+    if args.command == "pretrain":
+        return _pretrain(args, argv)
     return 2
 
 

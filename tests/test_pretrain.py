@@ -1,0 +1,274 @@
+"""`comera-compile pretrain`: the learning-rate schedule (by steps and by time), perplexity, GaLore's groups,
+bad options, the equal-token evaluation point, and the command end to end at a micro size."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("matplotlib")
+pytest.importorskip("tqdm")
+
+from comera_compile.cli import main  # noqa: E402
+from comera_compile.examples import lm_pretrain as lp  # noqa: E402
+from comera_compile.examples import lm_report  # noqa: E402
+
+MICRO_SHAPE = lp.LlamaShape(hidden=64, intermediate=128, heads=2, layers=2, max_positions=64)
+MICRO_PRESET = {"minutes": None, "steps": 4, "batch": 2, "rank": 4, "galore_rank": 4, "warmup_steps": 1,
+                "eval_blocks": 4, "evals": 2, "threads": 1}
+MICRO_ARGS = ["--seq-len", "32", "--vocab-size", "300", "--max-bytes", "30000", "--no-progress"]
+
+
+@pytest.fixture
+def micro(monkeypatch):
+    """The "micro" preset: a 2-layer, 64-wide Llama, a few steps."""
+    monkeypatch.setitem(lp.SHAPES, "micro", MICRO_SHAPE)
+    monkeypatch.setitem(lp.PRESETS, "micro", dict(MICRO_PRESET))
+
+
+@pytest.fixture
+def keep_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+# -- schedule ----------------------------------------------------------------------------------------------
+def _lrs(sched: lp.Schedule, step: int, elapsed: float) -> list[float]:
+    sched.before(step, elapsed)
+    return [g["lr"] for g in sched.optimizer.param_groups]
+
+
+def test_step_schedule_is_transformers_cosine_with_warmup_to_a_tenth():
+    """On a step budget, the lr of 1-based step k is transformers' cosine-with-min-lr schedule at k (warm-up
+    k / W, then the cosine to 10% at the last step), in every param group alike."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    total, warmup = 50, 7
+    p = [nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.AdamW([{"params": [p[0]], "lr": 1e-3}, {"params": [p[1]], "lr": 2e-2}])
+    reference = get_cosine_with_min_lr_schedule_with_warmup(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0), warmup, total, min_lr_rate=0.1).lr_lambdas[0]
+    sched = lp.Schedule(opt, warmup, 0.1, budget_s=None, steps=total)
+    for k in range(1, total + 1):
+        lrs = _lrs(sched, k, elapsed=123.0)   # the clock plays no part on a step budget
+        assert lrs[0] == pytest.approx(1e-3 * reference(k), rel=1e-12)
+        assert lrs[1] == pytest.approx(2e-2 * reference(k), rel=1e-12)
+    assert lrs[0] == pytest.approx(1e-4)  # the last step at the floor
+    assert sched.warmup_end == warmup / total
+
+
+def test_time_schedule_runs_the_cosine_on_the_fraction_of_the_clock():
+    """On a time budget: warm-up by steps, then the cosine from the clock at the warm-up's end to the budget's
+    end, whatever the steps take (here uneven, with a long first step as a compile makes)."""
+    budget, warmup, peak = 60.0, 3, 5e-4
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=peak)
+    sched = lp.Schedule(opt, warmup, 0.1, budget_s=budget, steps=None)
+    durations = [9.0, 0.5, 0.7] + [0.4 + 0.3 * (i % 5) for i in range(200)]
+    elapsed, t_end_warmup = 0.0, None
+    for k, d in enumerate(durations, 1):
+        if elapsed >= budget:
+            break
+        lr = _lrs(sched, k, elapsed)[0]
+        if k <= warmup:
+            expected = peak * k / warmup
+        else:
+            if t_end_warmup is None:
+                t_end_warmup = elapsed
+            u = (elapsed - t_end_warmup) / (budget - t_end_warmup)
+            expected = peak * (0.1 + 0.45 * (1 + math.cos(math.pi * u)))
+        assert lr == pytest.approx(expected, rel=1e-12), k
+        elapsed += d
+    assert t_end_warmup == pytest.approx(10.2)
+    assert lr < peak * 0.11 and lr > peak * 0.1  # the last step started just short of the budget's end
+
+
+def test_lr_factor_edges():
+    assert lp.lr_factor(1, 0.0, 0, 0.0) == pytest.approx(1.0)   # no warm-up: the cosine's top
+    assert lp.lr_factor(5, 1.0, 0, 0.0, floor=0.1) == pytest.approx(0.1)
+    assert lp.lr_factor(5, 2.0, 0, 0.0, floor=0.1) == pytest.approx(0.1)  # past the budget: held at the floor
+    assert lp.lr_factor(9, 0.5, 10, 0.9) == pytest.approx(0.9)  # still warming up, whatever the progress
+    assert lp.lr_factor(11, 1.0, 10, 1.0, floor=0.2) == pytest.approx(0.2)  # warm-up outlasted the budget
+
+
+# -- model, loss, perplexity -------------------------------------------------------------------------------
+def test_perplexity_is_exp_of_transformers_own_shifted_loss():
+    """evaluate's loss is the mean next-token cross-entropy over every predicted token: equal to the mean of
+    LlamaForCausalLM's own labels= loss over equal-size batches; its perplexity is exp of that."""
+    model = lp.build_model(MICRO_SHAPE, 300, seed=0)
+    val = torch.randint(0, 300, (6, 16), generator=torch.Generator().manual_seed(1))
+    got = lp.evaluate(model, val, batch=2)
+    with torch.no_grad():
+        model.eval()
+        hf = torch.stack([model(input_ids=val[i: i + 2], labels=val[i: i + 2], use_cache=False).loss
+                          for i in range(0, 6, 2)]).mean()
+    assert got["predicted_tokens"] == 6 * 15
+    assert got["loss"] == pytest.approx(float(hf), rel=1e-5)
+    assert got["ppl"] == pytest.approx(math.exp(float(hf)), rel=1e-5)
+    assert model.training is False  # evaluate puts the model back as it found it
+    model.train()
+    lp.evaluate(model, val[:2])
+    assert model.training
+
+
+def test_causal_lm_loss_predicts_the_next_token():
+    ids = torch.tensor([[1, 2, 3]])
+    logits = torch.full((1, 3, 4), -30.0)
+    logits[0, 0, 2] = logits[0, 1, 3] = 30.0  # position t predicts token t + 1: a perfect model
+    assert float(lp.causal_lm_loss(logits, ids)) < 1e-6
+    logits[0, 1, 3], logits[0, 1, 0] = -30.0, 30.0
+    assert float(lp.causal_lm_loss(logits, ids)) == pytest.approx(60.0 / 2, rel=1e-4)
+
+
+def test_batches_are_one_seeded_order_for_every_method():
+    train = torch.arange(40).reshape(10, 4)
+    a, b = lp.batches(train, 3, seed=5), lp.batches(train, 3, seed=5)
+    first = [next(a) for _ in range(7)]
+    assert all(torch.equal(x, next(b)) for x in first)
+    epoch = torch.cat(first[:3])[:, 0] // 4   # three batches of 3 from 10 blocks: 9 distinct blocks
+    assert len(set(epoch.tolist())) == 9
+    c = lp.batches(train, 3, seed=6)
+    assert not all(torch.equal(x, next(c)) for x in first)
+
+
+def test_galore_projects_exactly_the_decoder_linears():
+    pytest.importorskip("galore_torch")
+    model = lp.build_model(MICRO_SHAPE, 300, seed=0)
+    cfg = lp.preset("tiny", galore_rank=8)
+    opt = lp.galore_optimizer(model, cfg)
+    low = [g for g in opt.param_groups if "rank" in g]
+    assert len(low) == 1 and low[0]["rank"] == 8 and low[0]["update_proj_gap"] == 200
+    names = {id(p): n for n, p in model.named_parameters()}
+    projected = sorted(names[id(p)] for p in low[0]["params"])
+    assert len(projected) == 7 * MICRO_SHAPE.layers
+    assert all(n.startswith("model.layers.") and n.endswith("_proj.weight") for n in projected)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def test_presets_have_the_papers_llama_shapes():
+    assert lp.SHAPES["60m"] == lp.LlamaShape(512, 1376, 8, 8)
+    assert lp.SHAPES["130m"] == lp.LlamaShape(768, 2048, 12, 12)
+    assert lp.SHAPES["350m"] == lp.LlamaShape(1024, 2736, 16, 24)
+    with torch.device("meta"):
+        m = lp.build_model(lp.SHAPES["60m"], 32000, seed=0)
+    assert 57e6 < lp.total_params(m) < 60e6  # "60M" with the papers' 32k vocabulary
+    assert all(lp.preset(name).seq_len == 256 for name in lp.PRESETS)
+
+
+# -- bad options -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--seq-len", "2048"], "above the model's 1024 positions"),
+    (["--methods", "dense,lora"], "--methods takes a comma-separated subset of dense,comera,galore"),
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--minutes", "-1"], "--minutes must be positive"),
+    (["--steps", "5", "--warmup-steps", "5"], "leaves no step of the 5-step budget"),
+    (["--lr", "0"], "learning rates must be positive"),
+    (["--rank", "0"], "--rank must be a positive integer"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--vocab-size", "100"], "--vocab-size must be at least 257"),
+    (["--nproc", "3", "--batch", "4"], "does not split evenly over 3 processes"),
+    (["--clip", "-1"], "--clip must be positive"),
+    pytest.param(["--device", "cuda"], "no CUDA device is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
+])
+def test_bad_options_say_what_to_change(args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["pretrain", *args])
+    assert str(e.value).startswith("comera-compile pretrain: ")
+    assert message in str(e.value)
+
+
+def test_unknown_preset_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["pretrain", "--preset", "7b"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_file_as_out_dir_is_an_error(tmp_path, micro, keep_threads):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(SystemExit, match="is a file"):
+        main(["pretrain", "--preset", "micro", "--out", str(f), *MICRO_ARGS])
+
+
+# -- the equal-token point ---------------------------------------------------------------------------------
+def test_equal_token_point_is_evaluated_on_a_time_budget(keep_threads):
+    """On a time budget, a method is also evaluated when its token count reaches the first method's final
+    one, off the time marks; the summary reads its perplexity there."""
+    torch.set_num_threads(1)
+    cfg = lp.PretrainConfig(preset="tiny", minutes=30.0, steps=5, batch=2, seq_len=16, evals=1, warmup_steps=1,
+                            progress=False)
+    model = lp.build_model(MICRO_SHAPE, 300, seed=0)
+    data = torch.randint(0, 300, (12, 16), generator=torch.Generator().manual_seed(0))
+    r = lp.train_one("dense", model, cfg, data[:10], data[10:], eval_tokens=(3 * 2 * 16,))
+    assert r["steps"] == 5 and r["tokens"] == 5 * 2 * 16
+    assert [e["step"] for e in r["evals"]] == [3, 5]   # the token mark, then the end (no time mark passed)
+    assert r["evals"][0]["tokens"] == 96
+    assert r["evals"][0]["ppl"] == pytest.approx(math.exp(r["evals"][0]["loss"]))
+    base = {**r, "tokens": 96, "val_loss": r["evals"][0]["loss"] + 1.0, "val_ppl": 1.0, "time_s": 2 * r["time_s"]}
+    s = lm_report.summarize({"runs": {"dense": base, "comera": r}, "dense_params": {"decoder": 1}})
+    m = s["methods"]["comera"]
+    assert m["equal_tokens"] is r["evals"][0]
+    assert m["ppl_ratio_equal_tokens"] == pytest.approx(r["evals"][0]["ppl"])
+    assert m["reach_s"] == pytest.approx(r["evals"][0]["time_s"])   # below the target at its first evaluation
+    assert m["reach_fraction"] == pytest.approx(0.5 * r["evals"][0]["time_s"] / r["time_s"])
+
+
+def test_reach_time_interpolates_between_evaluations():
+    base = {"val_loss": 5.0, "val_ppl": math.exp(5.0), "tokens": 400, "time_s": 100.0, "median_step_s": 1.0,
+            "params_decoder": 1, "evals": [{"tokens": 400, "time_s": 100.0, "loss": 5.0, "ppl": math.exp(5.0)}]}
+    other = {"val_loss": 4.0, "val_ppl": math.exp(4.0), "tokens": 1000, "time_s": 100.0, "median_step_s": 0.25,
+             "params_decoder": 1,
+             "evals": [{"tokens": 200, "time_s": 20.0, "loss": 6.0, "ppl": math.exp(6.0)},
+                       {"tokens": 400, "time_s": 40.0, "loss": 5.5, "ppl": math.exp(5.5)},
+                       {"tokens": 600, "time_s": 60.0, "loss": 4.5, "ppl": math.exp(4.5)}]}
+    s = lm_report.summarize({"runs": {"dense": base, "comera": other}, "dense_params": {"decoder": 1}})
+    m = s["methods"]["comera"]
+    assert m["reach_s"] == pytest.approx(50.0) and m["reach_fraction"] == pytest.approx(0.5)
+    assert m["reach_tokens"] == pytest.approx(500.0)
+    assert m["step_speedup"] == pytest.approx(4.0)
+    assert m["ppl_ratio_equal_tokens"] == pytest.approx(math.exp(0.5))
+    assert m["ppl_ratio_equal_time"] == pytest.approx(math.exp(-1.0))
+
+
+# -- end to end --------------------------------------------------------------------------------------------
+def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_threads, capsys):
+    """dense, CoMERA and GaLore at the micro size, a few steps each: the files and every figure in them."""
+    pytest.importorskip("galore_torch")
+    out = tmp_path / "run"
+    assert main(["pretrain", "--preset", "micro", "--out", str(out), *MICRO_ARGS]) == 0
+    printed = capsys.readouterr().out
+    table = (out / "table.md").read_text()
+    assert table.strip() in printed
+    assert (out / "curves.png").stat().st_size > 10_000
+    result = json.loads((out / "results.json").read_text())
+    assert list(result["runs"]) == ["dense", "comera", "galore"]
+    tokens = 4 * 2 * 32
+    for name, r in result["runs"].items():
+        assert r["steps"] == 4 and r["tokens"] == tokens
+        assert [e["step"] for e in r["evals"]] == [2, 4]
+        assert math.isfinite(r["val_loss"]) and r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]))
+        assert r["tokens_per_s"] > 0 and r["median_step_s"] > 0 and r["compile_s"] >= 0
+        assert r["peak_rss_bytes"] > 0 and r["state_bytes"] > 0
+        assert len(r["history"]["lr"]) == 4
+    d, c, g = (result["runs"][k] for k in ("dense", "comera", "galore"))
+    assert d["params_total"] == g["params_total"] == result["dense_params"]["total"]
+    assert d["params_decoder"] == result["dense_params"]["decoder"] == lp.decoder_params(
+        lp.build_model(MICRO_SHAPE, result["model"]["vocab_size"], 0))
+    assert c["params_decoder"] < d["params_decoder"] and c["tt_params_end"] <= c["tt_params_start"]
+    assert d["history"]["lr"] == pytest.approx([1e-3 * lp.lr_factor(k, k / 4, 1, 0.25) for k in range(1, 5)])
+    s = result["summary"]["methods"]
+    assert s["comera"]["equal_tokens"]["tokens"] == tokens  # equal steps: the equal-token point is the end
+    for label in ("val perplexity (loss) at equal time", "at dense's 256 tokens", "time to reach dense's final",
+                  "active TT parameters", "median step time", "tokens/s", "parameters + optimizer"):
+        assert label in table
+    assert [c.strip() for c in table.splitlines()[0].split("|")[2:-1]] == ["dense", "CoMERA", "GaLore"]
+    assert f"{c['val_ppl']:.2f}" in table and f"{g['val_ppl']:.2f}" in table
