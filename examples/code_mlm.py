@@ -13,7 +13,6 @@ Run it: ``comera-compile demo`` (options: ``comera-compile demo --help``; ``--pr
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -312,16 +311,5 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
     result["wall_time_s"] = time.perf_counter() - t_start
     if not world.main:
         return result
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"table": out / "table.md", "plot": out / "curves.png", "json": out / "results.json"}
-    result["files"] = {k: str(v) for k, v in paths.items()}
-    table = demo_report.format_table(result)
-    paths["table"].write_text(table + "\n")
-    demo_report.plot(result, paths["plot"])
-    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
-    log("")
-    log(table)
-    log("")
-    for key, p in paths.items():
-        log(f"{key:>5}: {p}")
+    demo_report.write_outputs(result, out, demo_report.format_table, demo_report.plot, log)
     return result

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["reach_time", "summarize", "format_table", "plot"]
+__all__ = ["reach_time", "summarize", "format_table", "plot", "write_outputs"]
 
 
 def reach_time(evals: list[dict[str, Any]], target: float, key: str = "time_s") -> float | None:
@@ -159,3 +160,21 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_outputs(result: dict[str, Any], out: Path, format_table: Callable[[dict[str, Any]], str],
+                  plot: Callable[[dict[str, Any], Path], None], log: Callable[[str], None]) -> None:
+    """Write a run's table.md, curves.png and results.json to out (their paths into result["files"]), then
+    print the table and the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"table": out / "table.md", "plot": out / "curves.png", "json": out / "results.json"}
+    result["files"] = {k: str(v) for k, v in paths.items()}
+    table = format_table(result)
+    paths["table"].write_text(table + "\n")
+    plot(result, paths["plot"])
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    log("")
+    log(table)
+    log("")
+    for key, p in paths.items():
+        log(f"{key:>5}: {p}")

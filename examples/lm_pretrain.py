@@ -15,7 +15,6 @@ Run it: ``comera-compile pretrain`` (options: ``comera-compile pretrain --help``
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 import statistics
@@ -535,7 +534,7 @@ def run(cfg: PretrainConfig, log: Callable[[str], None] = print) -> dict[str, An
 
 
 def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[str, Any]:
-    from comera_compile.examples import lm_report
+    from comera_compile.examples import demo_report, lm_report
     from comera_compile.examples.lm_data import load_lm_data
 
     t_start = time.perf_counter()
@@ -601,16 +600,5 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     result["wall_time_s"] = time.perf_counter() - t_start
     if not world.main:
         return result
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"table": out / "table.md", "plot": out / "curves.png", "json": out / "results.json"}
-    result["files"] = {k: str(v) for k, v in paths.items()}
-    table = lm_report.format_table(result)
-    paths["table"].write_text(table + "\n")
-    lm_report.plot(result, paths["plot"])
-    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
-    log("")
-    log(table)
-    log("")
-    for key, p in paths.items():
-        log(f"{key:>5}: {p}")
+    demo_report.write_outputs(result, out, lm_report.format_table, lm_report.plot, log)
     return result
