@@ -60,19 +60,27 @@ SHAPES: dict[str, LlamaShape] = {
     "350m": LlamaShape(hidden=1024, intermediate=2736, heads=16, layers=24),
 }
 
-# Per preset, the PretrainConfig fields that differ from its defaults.  The papers train with lr 1e-3
-# (dense), GaLore at lr 1e-2 with scale 0.25 and rank 128 / 256 / 256, batch 512 x 256 tokens; here the
-# batch is scaled down to what one machine runs (gradient noise is higher; the learning rates are kept).
+# CoMERA's learning rates, from a sweep on the tiny preset (200 steps, validation perplexity): the dense parts
+# (embeddings, head, norms) at 2e-3, the TT cores at 1e-3 and the rank gates at 1e-2 beat every single
+# cc.param_groups(model, lr) tried (lr 2.5e-4 / 5e-4 / 1e-3 / 3e-3: cores 2x, gates 20x); the cores and gates
+# are the sensitive ones (cores at 2e-3 or gates at 2e-2 are clearly worse).
+_COMERA_LRS = {"comera_lr": 2e-3, "comera_core_lr": 1e-3, "comera_gate_lr": 1e-2}
+
+# Per preset, the PretrainConfig fields that differ from its defaults.  The papers train the dense model at
+# lr 1e-3, GaLore at lr 1e-2 with scale 0.25 and rank 128 / 256 / 256, on batches of 512 x 256 tokens; here
+# the batch is scaled down to what one machine runs (32; 4 for tiny) and those learning rates are kept.
+# tiny runs on one thread: on a shared 2-core machine two OpenMP threads stall each other whenever another
+# process takes a core, and CoMERA's many small kernels suffer most (median step at batch 8 x 256: 0.54 s on
+# one thread, 4.4 s on two under load; dense 1.46 s and 1.78 s).
 PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {"minutes": 2.5, "batch": 4, "rank": 16, "galore_rank": 128, "lr": 1e-3, "comera_lr": 2e-3,
-             "comera_core_lr": 1e-3, "comera_gate_lr": 1e-2, "galore_lr": 1e-2, "warmup_steps": 20,
-             "eval_blocks": 64, "threads": 1},
-    "60m": {"minutes": 30.0, "batch": 32, "rank": 16, "galore_rank": 128, "galore_lr": 1e-2, "warmup_steps": 200,
-            "eval_blocks": 256},
-    "130m": {"minutes": 60.0, "batch": 32, "rank": 24, "galore_rank": 256, "galore_lr": 1e-2, "warmup_steps": 200,
-             "eval_blocks": 256},
-    "350m": {"minutes": 120.0, "batch": 32, "rank": 32, "galore_rank": 256, "galore_lr": 1e-2,
-             "warmup_steps": 200, "eval_blocks": 256},
+    "tiny": {"minutes": 2.5, "batch": 4, "rank": 16, "galore_rank": 128, "lr": 1e-3, **_COMERA_LRS,
+             "galore_lr": 1e-2, "warmup_steps": 20, "eval_blocks": 64, "threads": 1},
+    "60m": {"minutes": 30.0, "batch": 32, "rank": 16, "galore_rank": 128, "lr": 1e-3, **_COMERA_LRS,
+            "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
+    "130m": {"minutes": 60.0, "batch": 32, "rank": 24, "galore_rank": 256, "lr": 1e-3, **_COMERA_LRS,
+             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
+    "350m": {"minutes": 120.0, "batch": 32, "rank": 32, "galore_rank": 256, "lr": 1e-3, **_COMERA_LRS,
+             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
 }
 
 
@@ -468,6 +476,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         "method": method,
         "execution": execution,
         "lr": cfg.peak_lr(method),
+        "lr_groups": {g.get("name", str(i)): g["peak_lr"] for i, g in enumerate(opt.param_groups)},
         "warmup_steps": warmup,
         "steps": step,
         "tokens": step * tokens_per_step,

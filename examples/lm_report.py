@@ -159,6 +159,9 @@ def format_table(result: dict[str, Any]) -> str:
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes (DDP)"
     lrs = ", ".join(f"{LABELS[n]} {runs[n]['lr']:g}" for n in names)
+    if "comera" in runs and "tt_cores" in runs["comera"].get("lr_groups", {}):
+        groups = runs["comera"]["lr_groups"]
+        lrs += f" (CoMERA's TT cores {groups['tt_cores']:g}, rank gates {groups['rank_gates']:g})"
     lines += [
         "",
         f"Llama {cfg['preset']!r}: hidden {model['hidden']}, intermediate {model['intermediate']}, {model['heads']} "

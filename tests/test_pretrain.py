@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 pytest.importorskip("transformers")
@@ -272,3 +273,30 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
         assert label in table
     assert [c.strip() for c in table.splitlines()[0].split("|")[2:-1]] == ["dense", "CoMERA", "GaLore"]
     assert f"{c['val_ppl']:.2f}" in table and f"{g['val_ppl']:.2f}" in table
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_on_the_whole_batch(tmp_path):
+    """--nproc 2 (torchrun, DDP over gloo, each process on its half of every global batch) follows the
+    one-process run of the same global batch: every step's loss and the validation figures, all three methods."""
+    pytest.importorskip("galore_torch")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(   # the micro preset, in every process torchrun starts
+        "from comera_compile.examples import lm_pretrain as lp\n"
+        f"lp.SHAPES['micro'] = lp.{MICRO_SHAPE!r}\n"
+        f"lp.PRESETS['micro'] = {dict(MICRO_PRESET, batch=4, steps=6)!r}\n")
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"p{n}"
+        cmd = [sys.executable, "-m", "comera_compile", "pretrain", "--preset", "micro", "--out", str(out),
+               *MICRO_ARGS, *(["--nproc", "2"] if n == 2 else [])]
+        subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+        runs[n] = json.loads((out / "results.json").read_text())
+    assert runs[2]["processes"] == 2 and runs[1]["processes"] == 1
+    for name in ("dense", "comera", "galore"):
+        one, two = runs[1]["runs"][name], runs[2]["runs"][name]
+        assert two["history"]["loss"] == pytest.approx(one["history"]["loss"], rel=1e-4)
+        assert two["val_loss"] == pytest.approx(one["val_loss"], rel=1e-4)
+        assert "DDP x 2 processes" in two["execution"]
