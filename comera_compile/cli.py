@@ -158,12 +158,13 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(nproc: int, argv: list[str], device: str) -> int:
-    """`demo --nproc N`: the same command under torchrun on N local processes (its options but --nproc)."""
+def _launch(nproc: int, argv: list[str], device: str, command: str = "demo") -> int:
+    """`demo --nproc N` (or pretrain's): the same command under torchrun on N local processes (its options but
+    --nproc)."""
     import subprocess
 
     if device == "cuda" and torch.cuda.device_count() < nproc:
-        raise SystemExit(f"comera-compile demo: --nproc {nproc} --device cuda needs {nproc} GPUs, this machine "
+        raise SystemExit(f"comera-compile {command}: --nproc {nproc} --device cuda needs {nproc} GPUs, this machine "
                          f"shows {torch.cuda.device_count()}")
     rest, skip = [], False
     for a in argv:
@@ -175,7 +176,7 @@ def _launch(nproc: int, argv: list[str], device: str) -> int:
             rest.append(a)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "comera_compile", *rest]
-    print("comera-compile demo: " + " ".join(["torchrun", *cmd[3:]]), flush=True)
+    print(f"comera-compile {command}: " + " ".join(["torchrun", *cmd[3:]]), flush=True)
     return subprocess.call(cmd)
 
 
@@ -223,7 +224,7 @@ def _pretrain(args: argparse.Namespace, argv: list[str]) -> int:
             if args.nproc < 1:
                 raise SystemExit(f"comera-compile pretrain: --nproc must be at least 1, got {args.nproc}")
             cfg.check(args.nproc)
-            return _launch(args.nproc, argv, cfg.device)
+            return _launch(args.nproc, argv, cfg.device, "pretrain")
         lm_pretrain.run(cfg)
     except lm_pretrain.DemoError as e:
         raise SystemExit(f"comera-compile pretrain: {e}") from e
