@@ -84,9 +84,11 @@ def _is_kv_cache(value: Any) -> bool:
 
 def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgraph: bool) -> Callable[..., Any]:
     """The block's call: the compiled function, or the block's own call where compiling cannot serve."""
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
     config = torch._dynamo.config
+    try:
+        from torch._dynamo.exc import FailOnRecompileLimitHit
+    except ImportError:   # a torch without it: dynamo's own fallback (and its own warning)
+        FailOnRecompileLimitHit = type("FailOnRecompileLimitHit", (Exception,), {})
     flag = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else None
     call_impl = block._call_impl
 
