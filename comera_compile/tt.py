@@ -15,24 +15,11 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = [
-    "TTSpec",
-    "constant_under_compile",
-    "balanced_factors",
-    "choose_modes",
-    "make_spec",
-    "tt_svd",
-    "full_tensor",
-    "random_cores",
-    "gemm_ranks",
-    "rank_padding",
-    "gemm_spec",
-    "gemm_core_padding",
-]
+__all__ = ["TTSpec", "constant_under_compile", "balanced_factors", "choose_modes", "make_spec", "tt_svd", "full_tensor",
+           "random_cores", "gemm_ranks", "rank_padding", "gemm_spec", "gemm_core_padding"]
 
-# Contractions run each TT bond at a multiple of this size when that costs few zero slices (gemm_ranks):
-# the BLAS GEMMs a TT product becomes are much faster when their narrow dimension is a multiple of 16 (on
-# the CPUs here, 1024 x 768 times 768 x 30 takes 1.6x as long as times 768 x 32).  1 turns padding off.
+# Contractions run each TT bond at a multiple of this size when that costs few zero slices (gemm_ranks): BLAS
+# GEMMs are much faster when their narrow side is a multiple of 16 (docs/method.md).  1 turns padding off.
 GEMM_RANK_MULTIPLE = 16
 
 # A factorization is "good" when its largest factor is at most this many times the d-th root of the size.

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("tokenizers")
 
-from comera_compile.examples import lm_data  # noqa: E402
+from comera_compile.examples import lm_data, lm_sources  # noqa: E402
 from comera_compile.examples.code_data import DemoError  # noqa: E402
 from comera_compile.examples.lm_data import EOT_TOKEN, DataError, LMData, load_lm_data, pack  # noqa: E402
 
@@ -172,7 +172,7 @@ def test_saved_dataset_with_and_without_datasets(tmp_path, monkeypatch):
     lm = load_lm_data(tmp_path / "ds", **SMALL, seed=3)
     assert sum(lm.documents) == 15 and "dataset saved at" in lm.source
     _check_packing(lm, docs, 16)
-    monkeypatch.setattr(lm_data, "_import_datasets", lambda: None)  # the pyarrow reader
+    monkeypatch.setattr(lm_sources, "_import_datasets", lambda: None)  # the pyarrow reader
     bare = load_lm_data(tmp_path / "ds", **SMALL, seed=3)
     assert "read with pyarrow" in bare.source
     assert torch.equal(bare.train, lm.train) and torch.equal(bare.val, lm.val)
@@ -190,7 +190,7 @@ def test_saved_dataset_dict_uses_its_validation_split(tmp_path, monkeypatch):
     assert lm.documents == (12, 4) and "split 'train'" in lm.source
     assert _sentinels_in(_stream(lm, lm.train), 16) <= set(range(12))
     assert _sentinels_in(_stream(lm, lm.val), 16) == {12, 13, 14, 15}
-    monkeypatch.setattr(lm_data, "_import_datasets", lambda: None)
+    monkeypatch.setattr(lm_sources, "_import_datasets", lambda: None)
     bare = load_lm_data(tmp_path / "dd", **SMALL, max_bytes=100_000)
     assert torch.equal(bare.train, lm.train) and torch.equal(bare.val, lm.val)
 
@@ -324,7 +324,7 @@ def test_missing_optional_packages(tmp_path, monkeypatch):
     ds.mkdir()
     (ds / "dataset_info.json").write_text("{}")
     (ds / "state.json").write_text('{"_data_files": [{"filename": "missing.arrow"}]}')
-    monkeypatch.setattr(lm_data, "_import_datasets", lambda: None)
+    monkeypatch.setattr(lm_sources, "_import_datasets", lambda: None)
     with pytest.raises(DataError, match=r"without the 'datasets' package.*pip install datasets"):
         load_lm_data(ds, **SMALL)
 
@@ -349,8 +349,8 @@ def test_pack_matches_concatenation(docs, seq_len):
 @settings(max_examples=60, deadline=None)
 @given(texts=st.lists(st.text(max_size=40), max_size=8), budget=st.integers(1, 200))
 def test_read_until_budget(texts, budget):
-    src = lm_data._list_source(texts, "t")
-    got = lm_data._read_until(src, list(range(len(texts))), budget)
+    src = lm_sources._list_source(texts, "t")
+    got = lm_sources._read_until(src, list(range(len(texts))), budget)
     size = sum(len(t.encode("utf-8")) for t in got)
     whole = sum(len(t.encode("utf-8")) for t in texts if t.strip())
     assert size <= budget

@@ -1,0 +1,330 @@
+"""One method's pretraining run: the learning-rate schedule, the model, its loss and evaluation, the optimizers
+(AdamW, CoMERA's groups with RankAdaptive, GaLore) and the training loop on a wall-clock or step budget."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from comera_compile.examples.code_data import DemoError
+from comera_compile.examples.demo_dist import World, agree, wrap
+from comera_compile.examples.lm_config import LlamaShape, PretrainConfig
+
+
+
+# --------------------------------------------------------------------------------------------------------
+# Learning-rate schedule
+# --------------------------------------------------------------------------------------------------------
+def lr_factor(step: int, progress: float, warmup_steps: int, warmup_end: float, floor: float = 0.1) -> float:
+    """The multiplier of the peak learning rate for 1-based `step`: linear warm-up over `warmup_steps`
+    steps (step / warmup_steps), then a cosine from 1 down to `floor` as `progress` (the fraction of the
+    budget used) goes from `warmup_end` (the fraction used when the warm-up ended) to 1.
+
+    On a budget of T steps, progress = step / T and warmup_end = warmup_steps / T: the usual
+    cosine-with-warm-up schedule by steps.  On a time budget both are fractions of the wall clock, so the
+    schedule ends at the floor when the time does, whatever the step count turns out to be."""
+    if step <= warmup_steps:
+        return step / max(1, warmup_steps)
+    q = 1.0 if warmup_end >= 1 else min(1.0, max(0.0, (progress - warmup_end) / (1.0 - warmup_end)))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * q))
+
+
+class Schedule:
+    """Sets every param group's lr to its peak (the group's lr when the optimizer was built) times
+    lr_factor, before each step; groups keep their ratios (CoMERA's cores 2x, gates 20x)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, floor: float,
+                 budget_s: float | None, steps: int | None) -> None:
+        self.optimizer, self.warmup_steps, self.floor = optimizer, warmup_steps, floor
+        self.budget_s, self.steps = budget_s, steps
+        self.warmup_end: float | None = None
+        for g in optimizer.param_groups:
+            g.setdefault("peak_lr", g["lr"])
+
+    def progress(self, step: int, elapsed: float) -> float:
+        """The fraction of the budget used: of the time budget when the step starts, else of the steps once
+        it is taken."""
+        return elapsed / self.budget_s if self.budget_s is not None else step / self.steps
+
+    def before(self, step: int, elapsed: float) -> float:
+        """Set the learning rates of 1-based `step`, starting at `elapsed` training seconds; returns the
+        factor."""
+        p = self.progress(step, elapsed)
+        if self.warmup_end is None and step > self.warmup_steps:
+            # the warm-up's end, in the budget's unit: on a step budget W / T, on a time budget the clock then
+            self.warmup_end = self.warmup_steps / self.steps if self.budget_s is None else p
+        f = lr_factor(step, p, self.warmup_steps, self.warmup_end if self.warmup_end is not None else 0.0,
+                      self.floor)
+        for g in self.optimizer.param_groups:
+            g["lr"] = g["peak_lr"] * f
+        return f
+
+
+# --------------------------------------------------------------------------------------------------------
+# Model, loss, data order, evaluation
+# --------------------------------------------------------------------------------------------------------
+def build_model(shape: LlamaShape, vocab_size: int, seed: int) -> nn.Module:
+    """A LlamaForCausalLM built from its config (no weights downloaded), seeded: RMSNorm, SwiGLU, rotary
+    embeddings, untied input embedding and head, as in the GaLore configs."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                         num_key_value_heads=shape.heads, max_position_embeddings=shape.max_positions,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def causal_lm_loss(logits: torch.Tensor, ids: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy: the logits at positions 0..s-2 against the tokens at 1..s-1."""
+    v = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, v).float(), ids[:, 1:].reshape(-1), reduction=reduction)
+
+
+def _loss_of_output(output: Any, ids: torch.Tensor) -> torch.Tensor:
+    return causal_lm_loss(output.logits, ids)
+
+
+def decoder_params(model: nn.Module) -> int:
+    """Parameters of the decoder layers (attention, SwiGLU and their RMSNorms)."""
+    return sum(p.numel() for p in model.model.layers.parameters())
+
+
+def total_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def batches(train: torch.Tensor, batch: int, seed: int) -> Iterator[torch.Tensor]:
+    """Training batches in a seeded order (a fresh permutation every epoch): the same sequence for every
+    method trained with the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    n = train.shape[0]
+    while True:
+        order = torch.randperm(n, generator=g)
+        for i in range(0, n - batch + 1, batch):
+            yield train[order[i: i + batch]]
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: torch.Tensor, batch: int = 8) -> dict[str, float]:
+    """Validation loss (mean next-token cross-entropy over every predicted token of `val`'s blocks) and its
+    perplexity exp(loss); run eagerly (torch.compiler's force_eager stance) without a KV cache."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    with torch.compiler.set_stance("force_eager"):
+        for i in range(0, val.shape[0], batch):
+            ids = val[i: i + batch].to(device)
+            logits = model(input_ids=ids, use_cache=False).logits
+            total += float(causal_lm_loss(logits, ids, reduction="sum"))
+            count += ids.shape[0] * (ids.shape[1] - 1)
+    model.train(was_training)
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(loss), "predicted_tokens": count}
+
+
+def _rss_bytes() -> int | None:
+    from comera_compile.examples.demo_train import _rss_bytes as rss
+
+    return rss()
+
+
+def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, buffers and optimizer state, each storage once."""
+    from comera_compile.benchmarks.galore import persistent_bytes
+
+    return persistent_bytes(model, optimizer)
+
+
+def galore_optimizer(model: nn.Module, cfg: PretrainConfig) -> torch.optim.Optimizer:
+    """galore-torch's GaLoreAdamW: the decoder layers' Linear weights projected to cfg.galore_rank (refreshed
+    every cfg.galore_gap steps, scale cfg.galore_scale, proj_type "std"), the rest plain AdamW; as
+    benchmarks/galore.py does, for the decoder's module names."""
+    try:
+        from galore_torch import GaLoreAdamW
+    except ImportError as e:
+        raise DemoError("--methods galore needs the 'galore-torch' package: pip install 'comera-compile[bench]', "
+                        "or leave galore out of --methods") from e
+    low_rank = [m.weight for m in model.model.layers.modules() if isinstance(m, nn.Linear)]
+    ids = {id(p) for p in low_rank}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return GaLoreAdamW([{"params": rest},
+                        {"params": low_rank, "rank": cfg.galore_rank, "update_proj_gap": cfg.galore_gap,
+                         "scale": cfg.galore_scale, "proj_type": "std"}],
+                       lr=cfg.peak_lr("galore"), weight_decay=cfg.weight_decay, no_deprecation_warning=True)
+
+
+def _clip_hook(max_norm: float) -> Callable[..., None]:
+    """An optimizer step pre-hook clipping the gradients of the optimizer's parameters (read at each step:
+    RankAdaptive's re-allocations replace the cores) to a total norm of max_norm."""
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    return hook
+
+
+# --------------------------------------------------------------------------------------------------------
+# One method's training run
+# --------------------------------------------------------------------------------------------------------
+def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.Tensor, val: torch.Tensor,
+              eval_tokens: tuple[int, ...] = (), world: World = World()) -> dict[str, Any]:
+    """Train `model` by `method` for cfg's budget and return its curve and figures.
+
+    dense: AdamW, the step compiled by cc.compile_step with Inductor.  comera: `model` already tensorized;
+    AdamW on cc.param_groups(model, lr), cc.RankAdaptive at its defaults, cc.compile_step with backend
+    "comera", ra.loss / ra.step around it.  galore: GaLoreAdamW, the model compiled with Inductor as dense's,
+    the optimizer eager.  Validation at cfg.evals equal marks of the budget and when the token count
+    reaches each of `eval_tokens` (the first method's final count); the clock stops while it runs."""
+    import comera_compile as cc
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ra = None
+    task: dict[str, torch.Tensor] = {}
+
+    def loss_fn(output: Any, ids: torch.Tensor) -> torch.Tensor:
+        task["loss"] = _loss_of_output(output, ids)
+        return ra.loss(task["loss"]) if ra is not None else task["loss"]
+
+    if method == "comera":
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.peak_lr("comera"), core_lr=cfg.comera_core_lr,
+                                                gate_lr=cfg.comera_gate_lr, weight_decay=cfg.weight_decay))
+        ra = cc.RankAdaptive(model, optimizer=opt)
+        backend, start_tt = "comera", ra.size()
+        ranks_start = {k: list(v) for k, v in ra.ranks().items()}
+    elif method == "galore":
+        opt = galore_optimizer(model, cfg)
+        backend = "inductor"
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.peak_lr("dense"), weight_decay=cfg.weight_decay)
+        backend = "inductor"
+    if cfg.clip is not None:
+        opt.register_step_pre_hook(_clip_hook(cfg.clip))
+    forward = wrap(model, world)
+    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend)
+    execution = {"dense": "AdamW; cc.compile_step, Inductor",
+                 "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
+                 "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method] + world.describe()
+
+    budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
+    warmup = cfg.warmup()
+    schedule = Schedule(opt, warmup, cfg.min_lr_ratio, budget, None if budget is not None else cfg.steps)
+    tokens_per_step = cfg.batch * cfg.seq_len
+    if budget is not None:
+        time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
+        step_marks: set[int] = set()
+    else:
+        time_marks = []
+        step_marks = {max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)}
+    step_marks |= {-(-t // tokens_per_step) for t in eval_tokens}
+    history: dict[str, list] = {"step": [], "tokens": [], "time_s": [], "loss": [], "lr": [], "step_time_s": [],
+                                "active_tt_params": []}
+    evals: list[dict[str, Any]] = []
+    stream = batches(train, cfg.batch, cfg.seed)
+    rows = world.rows(cfg.batch)
+    elapsed, step = 0.0, 0
+    compiling, compile_steps = True, []
+    rss_peak = _rss_bytes() or 0
+    start_decoder, start_total = decoder_params(model), total_params(model)
+    total = cfg.steps if budget is None else None
+    bar = tqdm(total=total if total is not None else round(budget), desc=f"{method:>6}",
+               disable=not (cfg.progress and world.main), dynamic_ncols=True,
+               mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr,
+               unit="step" if total is not None else "s")
+
+    def record_eval() -> None:
+        e = evaluate(model, val, cfg.batch)
+        evals.append({"step": step, "tokens": step * tokens_per_step, "time_s": elapsed, **e,
+                      "active_tt_params": ra.size() if ra is not None else None})
+
+    model.train()
+    while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
+        step += 1
+        ids = next(stream)[rows].to(device, non_blocking=True)
+        lr = schedule.before(step, elapsed)
+        sync()
+        t0 = time.perf_counter()
+        step_fn(ids, ids)
+        reallocated = ra.step() if ra is not None else False
+        if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
+            forward = wrap(model, world)
+            step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend)
+        sync()
+        dt, step_loss = agree(world, time.perf_counter() - t0, float(task["loss"].detach()))
+        elapsed += dt
+        if compiling:
+            compile_steps.append(step)
+        compiling = reallocated
+        rss_peak = max(rss_peak, _rss_bytes() or 0)
+        for key, value in (("step", step), ("tokens", step * tokens_per_step), ("time_s", elapsed),
+                           ("loss", step_loss), ("lr", lr * cfg.peak_lr(method)), ("step_time_s", dt),
+                           ("active_tt_params", ra.size() if ra is not None else None)):
+            history[key].append(value)
+        if not math.isfinite(step_loss):
+            bar.close()
+            raise DemoError(f"{method}: the training loss is {step_loss} at step {step}; lower the learning rate "
+                            f"(--lr, --comera-lr, --galore-lr)")
+        bar.set_postfix(loss=f"{step_loss:.3f}", step=f"{dt * 1e3:.0f}ms", refresh=False)
+        bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
+        due = step in step_marks
+        while time_marks and elapsed >= time_marks[0]:
+            time_marks.pop(0)
+            due = True
+        if due:
+            record_eval()
+    bar.close()
+    if not evals or evals[-1]["step"] != step:
+        record_eval()
+    ranks_end = None
+    if ra is not None:
+        ranks_end = {k: list(v) for k, v in ra.ranks().items()}
+        end_tt = ra.size()
+        ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
+    times = history["step_time_s"]
+    steady = [t for i, t in enumerate(times, 1) if i not in compile_steps] or times
+    median = statistics.median(steady)
+    result: dict[str, Any] = {
+        "method": method,
+        "execution": execution,
+        "lr": cfg.peak_lr(method),
+        "lr_groups": {g.get("name", str(i)): g["peak_lr"] for i, g in enumerate(opt.param_groups)},
+        "warmup_steps": warmup,
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "time_s": elapsed,
+        "median_step_s": median,
+        "tokens_per_s": tokens_per_step / median,
+        "tokens_per_s_overall": step * tokens_per_step / elapsed,
+        "compile_s": sum(max(0.0, times[i - 1] - median) for i in compile_steps),
+        "compile_steps": compile_steps,
+        "params_total": total_params(model),
+        "params_total_start": start_total,
+        "params_decoder": decoder_params(model),
+        "params_decoder_start": start_decoder,
+        "state_bytes": _state_bytes(model, opt),
+        "peak_rss_bytes": rss_peak or None,
+        "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "device": str(device),
+        "val_loss": evals[-1]["loss"],
+        "val_ppl": evals[-1]["ppl"],
+        "evals": evals,
+        "history": history,
+    }
+    if ra is not None:
+        result.update(tt_params_start=start_tt, tt_params_end=end_tt, ranks_start=ranks_start, ranks_end=ranks_end,
+                      cuts=ra.cuts, stage=ra.stage)
+    return result
