@@ -24,7 +24,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
-from comera_compile.examples.demo_dist import PARALLEL, World, from_env, shutdown
+from comera_compile.examples.demo_dist import PARALLEL, World, from_env, placement_checks, shutdown
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
@@ -124,13 +124,8 @@ class DemoConfig:
              f"--target-ratio must be in (0, 1], got {self.target_ratio}"),
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
             (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
-            (self.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {self.device!r}"),
             (self.parallel in PARALLEL, f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"),
-            (self.device != "cuda" or torch.cuda.is_available(),
-             "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
-            (self.batch % processes == 0,
-             f"--batch {self.batch} does not split evenly over {processes} processes; give a global batch that is "
-             f"a multiple of the process count (e.g. --batch {-(-self.batch // processes) * processes})"),
+            *placement_checks(self.device, self.batch, processes),
         ]
         for ok, message in checks:
             if not ok:

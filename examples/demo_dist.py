@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree"]
+__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree", "placement_checks"]
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -50,6 +50,19 @@ class World:
 
     def describe(self) -> str:
         return "" if self.size == 1 else f", {self.parallel.upper()} x {self.size} processes"
+
+
+def placement_checks(device: str, batch: int, processes: int) -> list[tuple[bool, str]]:
+    """(holds, message) for the settings every training command checks: a device torch can see and a global
+    batch that splits evenly over the processes."""
+    return [
+        (device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {device!r}"),
+        (device != "cuda" or torch.cuda.is_available(),
+         "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
+        (batch % processes == 0,
+         f"--batch {batch} does not split evenly over {processes} processes; give a global batch that is "
+         f"a multiple of the process count (e.g. --batch {-(-batch // processes) * processes})"),
+    ]
 
 
 def from_env(device: str, parallel: str = "ddp") -> World:

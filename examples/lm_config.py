@@ -7,9 +7,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
 
 from comera_compile.examples.code_data import DemoError
+from comera_compile.examples.demo_dist import placement_checks
 
 METHODS = ("dense", "comera", "galore")
 
@@ -149,12 +149,7 @@ class PretrainConfig:
             (self.evals >= 1, f"--evals must be at least 1, got {self.evals}"),
             (self.eval_blocks is None or self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),
             (self.max_bytes >= 1000, f"--max-bytes must be at least 1000, got {self.max_bytes}"),
-            (self.device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {self.device!r}"),
-            (self.device != "cuda" or torch.cuda.is_available(),
-             "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),
-            (self.batch % processes == 0,
-             f"--batch {self.batch} does not split evenly over {processes} processes; give a global batch that is "
-             f"a multiple of the process count (e.g. --batch {-(-self.batch // processes) * processes})"),
+            *placement_checks(self.device, self.batch, processes),
         ]
         for ok, message in checks:
             if not ok:
