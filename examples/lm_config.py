@@ -7,7 +7,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-
 from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import placement_checks
 
