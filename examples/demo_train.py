@@ -92,7 +92,7 @@ def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_si
     return peak
 
 
-def _rss_bytes() -> int | None:
+def rss_bytes() -> int | None:
     """The process's resident memory now (Linux /proc; None elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
@@ -157,7 +157,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     elapsed = 0.0  # training seconds: wall time with the held-out evaluations left out
     start_encoder = encoder_params(model)
     compiling, compile_steps = True, []  # steps that (re)compiled: the first, and the first after a re-allocation
-    rss_peak = _rss_bytes() or 0
+    rss_peak = rss_bytes() or 0
     total = cfg.steps if budget is None else None
     bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}",
                disable=not (cfg.progress and world.main),
@@ -202,7 +202,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             if (budget is not None and elapsed >= cfg.late_stage_at * budget) or (
                     budget is None and step >= cfg.late_stage_at * cfg.steps):
                 ra.late_stage_at = ra.steps + 1  # the late stage starts at the next step
-        rss_peak = max(rss_peak, _rss_bytes() or 0)
+        rss_peak = max(rss_peak, rss_bytes() or 0)
         enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
         history["step"].append(step)
         history["time_s"].append(elapsed)

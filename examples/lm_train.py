@@ -15,6 +15,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import World, agree, wrap
+from comera_compile.examples.demo_train import rss_bytes
 from comera_compile.examples.lm_config import LlamaShape, PretrainConfig
 
 
@@ -132,12 +133,6 @@ def evaluate(model: nn.Module, val: torch.Tensor, batch: int = 8) -> dict[str, f
     return {"loss": loss, "ppl": math.exp(loss), "predicted_tokens": count}
 
 
-def _rss_bytes() -> int | None:
-    from comera_compile.examples.demo_train import _rss_bytes as rss
-
-    return rss()
-
-
 def _state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Parameters, buffers and optimizer state, each storage once."""
     from comera_compile.benchmarks.galore import persistent_bytes
@@ -238,7 +233,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     rows = world.rows(cfg.batch)
     elapsed, step = 0.0, 0
     compiling, compile_steps = True, []
-    rss_peak = _rss_bytes() or 0
+    rss_peak = rss_bytes() or 0
     start_decoder, start_total = decoder_params(model), total_params(model)
     total = cfg.steps if budget is None else None
     bar = tqdm(total=total if total is not None else round(budget), desc=f"{method:>6}",
@@ -269,7 +264,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         if compiling:
             compile_steps.append(step)
         compiling = reallocated
-        rss_peak = max(rss_peak, _rss_bytes() or 0)
+        rss_peak = max(rss_peak, rss_bytes() or 0)
         for key, value in (("step", step), ("tokens", step * tokens_per_step), ("time_s", elapsed),
                            ("loss", step_loss), ("lr", lr * cfg.peak_lr(method)), ("step_time_s", dt),
                            ("active_tt_params", ra.size() if ra is not None else None)):
