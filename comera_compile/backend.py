@@ -37,6 +37,7 @@ def __getattr__(name: str) -> Any:
         return getattr(step, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+
 # Every option the backend takes, with its default and what it does.
 OPTIONS: dict[str, tuple[Any, str]] = {
     "cudagraphs": (True, "on CUDA inputs, replay the compiled graphs with CUDA Graphs (Inductor's cudagraph "
