@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "explain": "comera_compile.report",
     "Explanation": "comera_compile.report",
     "comera_backend": "comera_compile.backend",
-    "compile_step": "comera_compile.backend",
+    "compile_step": "comera_compile.step",
     "repeated_blocks": "comera_compile.regional",
     "compile_block": "comera_compile.regional",
     "compile_blocks": "comera_compile.regional",
@@ -67,7 +67,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from comera_compile.backend import comera_backend, compile_step, rewritten_graphs
+    from comera_compile.backend import comera_backend, rewritten_graphs
+    from comera_compile.step import compile_step
     from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile

@@ -4,7 +4,8 @@
 layers' forward, whose contraction order was planned for the traced shapes (a constant at trace time), so
 the graph Inductor sees already holds the planned matmuls; TT-layer nodes left as call_module (graphs built
 by hand or by torch.fx) are expanded by passes.fx.contraction first.  On CUDA inputs Inductor's CUDA Graph
-trees replay the compiled forward and backward with no per-kernel launch cost.
+trees replay the compiled forward and backward with no per-kernel launch cost.  A whole training step is
+compiled by comera_compile.step.compile_step; regional compilation is comera_compile.regional.
 """
 
 from __future__ import annotations
@@ -15,13 +16,27 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 import torch.fx
 
-from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
+from comera_compile.memory import keep_freed_memory
+from comera_compile.regional import compile_block, compile_blocks, repeated_blocks  # noqa: F401  (their old home)
 
 if TYPE_CHECKING:
     from comera_compile.logs import GraphReport
+    from comera_compile.step import CudaGraphCaptures, compile_step  # noqa: F401
 
-__all__ = ["comera_backend", "rewritten_graphs", "OPTIONS", "inductor_config", "compile_step", "register", "keep_freed_memory",
-           "repeated_blocks", "compile_block", "CudaGraphCaptures"]
+# compile_step, CudaGraphCaptures (comera_compile.step), keep_freed_memory (comera_compile.memory),
+# repeated_blocks and compile_block (comera_compile.regional) stay importable from here.
+__all__ = ["comera_backend", "rewritten_graphs", "OPTIONS", "inductor_config", "register", "compile_step",
+           "keep_freed_memory", "repeated_blocks", "compile_block", "CudaGraphCaptures"]
+
+
+def __getattr__(name: str) -> Any:
+    # The step's names, from their own module when first asked for (the backend does not use them).
+    if name in ("compile_step", "CudaGraphCaptures"):
+        from comera_compile import step
+
+        return getattr(step, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Every option the backend takes, with its default and what it does.
 OPTIONS: dict[str, tuple[Any, str]] = {
@@ -227,54 +242,14 @@ def _warm_cpu_compiler(cpp_wrapper: bool) -> None:
 @functools.cache
 def _warm_cpu_compiler_early(cpp_wrapper: bool) -> None:
     """Start, on a thread, what Inductor's first CPU graph waits for on a cold cache: its once-per-process
-    check of the CPU's vector ISAs (a test library built and loaded, about 2 s) and the precompiled header
-    of the code it generates (about 6 s more): the kernels' header, by building a one-line kernel the way
-    generated code does, or with Inductor's C++ wrapper (cpp_wrapper) the wrapper's header, a different
-    one.  Both then run while AOTAutograd traces the graph; Inductor finds them cached."""
+    check of the CPU's vector ISAs (a test library built and loaded) and the precompiled header of the code
+    it generates: the kernels' header, by building a one-line kernel the way generated code does, or with
+    Inductor's C++ wrapper (cpp_wrapper) the wrapper's header, a different one.  Both then run while
+    AOTAutograd traces the graph; Inductor finds them cached (docs/method.md section 7: seconds saved)."""
     import threading
 
     threading.Thread(target=_warm_cpu_compiler, args=(cpp_wrapper,), name="comera-warm-cpu-compiler",
                      daemon=True).start()
-
-
-class CudaGraphCaptures:
-    """Counts CUDA Graph recordings while active: ``with CudaGraphCaptures() as c: ...; c.count``.
-
-    Every recording Inductor's CUDA Graph trees make (one per compiled graph and input shape; a rank
-    re-allocation or a new batch size records anew) begins with ``torch.cuda.CUDAGraph.capture_begin``, which
-    this wraps; a replay calls nothing of it.  ``skips`` is how many compiled graphs Inductor declined to
-    record since entering (its ``cudagraph_skips`` counter: CPU tensors, mutated inputs, ...); those run
-    without a graph.  Usable without a GPU (both stay 0)."""
-
-    def __init__(self) -> None:
-        from torch._dynamo.utils import counters
-
-        self.count = 0
-        self._counters = counters["inductor"]
-        self._skips0 = self._counters["cudagraph_skips"]
-
-    @property
-    def skips(self) -> int:
-        return self._counters["cudagraph_skips"] - self._skips0
-
-    def __enter__(self) -> "CudaGraphCaptures":
-        graph_class = torch.cuda.CUDAGraph
-        self._saved = graph_class.__dict__.get("capture_begin")
-        original = graph_class.capture_begin
-
-        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return original(graph, *args, **kwargs)
-
-        graph_class.capture_begin = capture_begin
-        self._skips0 = self._counters["cudagraph_skips"]
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._saved is None:
-            del torch.cuda.CUDAGraph.capture_begin
-        else:
-            torch.cuda.CUDAGraph.capture_begin = self._saved
 
 
 def register() -> None:
@@ -289,98 +264,3 @@ def register() -> None:
 
     if "comera" not in _COMPILER_FNS:
         register_backend(name="comera")(comera_backend)
-
-
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
-
-
-@functools.cache
-def keep_freed_memory() -> bool:
-    """Make glibc's malloc keep freed memory in the process for reuse, as CUDA's caching allocator does on
-    GPUs: buffers up to 32 MB come from the heap instead of fresh mmaps, and the heap is not trimmed back
-    to the OS.  A CPU training step frees and re-allocates the same activations every step; by default
-    each large buffer is a new mapping whose pages fault in again (about a fifth of a six-encoder step
-    here).  Process-wide; resident memory stays at the high-water mark.  Returns whether it applied
-    (False off glibc); applied once per process."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return all(libc.mallopt(param, value) == 1 for param, value in (
-            (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)))
-    except (OSError, AttributeError):
-        return False
-
-
-def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
-                 optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
-                 options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
-                 keep_memory: bool = True, regional: bool = True, mode: str | None = None,
-                 autocast: torch.dtype | None = None) -> Callable[..., torch.Tensor]:
-    """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
-
-    ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
-    and loss compile with the backend, and AOTAutograd compiles the backward with them.  The optimizer
-    step compiles too when compile_optimizer is True; the default (None) does so on CUDA, where it joins
-    the CUDA Graph replay, and not on CPU, where Inductor spends minutes on the per-parameter code of a
-    TT model's hundreds of small tensors for no faster a step than the optimizer's own foreach kernels.
-    Run eagerly, param groups left at torch's default implementation (on CPU a Python loop over the
-    parameters, several times slower for a TT model's hundreds of small tensors) are switched to the
-    fused one where the optimizer has it (``group["fused"] = True``: Adam, AdamW, SGD, Adagrad), else to
-    the multi-tensor one (``group["foreach"] = True``); both compute the same update.
-    keep_memory calls keep_freed_memory() for models on the CPU (process-wide; False leaves malloc alone).
-
-    regional (default) compiles each of the model's repeated blocks on its own (regional.compile_blocks:
-    transformers' KV cache off unless a call asks for it, so layers share a graph at any depth) and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape
-    share one compiled graph, so a six-layer encoder compiles in the time of one layer (about a third of
-    the whole-step compile's time here) and a rank re-allocation recompiles one block's graph.  The blocks
-    stay compiled when the model is called outside the step.  regional=False, or a model without repeated
-    blocks, compiles forward and loss as one graph: minutes for a deep model, a few percent faster per
-    step at small batches.
-
-    mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
-    records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
-    ``torch.autocast`` on the model's device type, as mixed-precision training does; backward and the
-    optimizer step run outside it."""
-    kwargs: dict[str, Any] = {"options": options} if options else {}
-    if mode is not None:
-        kwargs["mode"] = mode
-    if keep_memory and not any(p.is_cuda for p in model.parameters()):
-        keep_freed_memory()
-    device_type = next((p.device.type for p in model.parameters()), "cpu")
-
-    def forward_loss(*args: Any) -> torch.Tensor:
-        *inputs, target = args
-        if autocast is None:
-            return loss_fn(model(*inputs), target)
-        with torch.autocast(device_type, dtype=autocast):
-            return loss_fn(model(*inputs), target)
-
-    blocks = compile_blocks(model, backend=backend, fullgraph=fullgraph, **kwargs) if regional else []
-    if blocks:
-        fwd = forward_loss
-    else:
-        fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)
-    state: dict[str, Any] = {}
-
-    def opt_step() -> None:
-        if "fn" not in state:
-            on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
-            use = on_cuda if compile_optimizer is None else compile_optimizer
-            if use:
-                state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
-            else:
-                from comera_compile.optim import prefer_fast_implementation
-
-                prefer_fast_implementation(optimizer)
-                state["fn"] = optimizer.step
-        state["fn"]()
-
-    def step(*args: Any) -> torch.Tensor:
-        loss = fwd(*args)
-        loss.backward()
-        opt_step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step

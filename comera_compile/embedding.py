@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import networks
 from .layers import EXPORT_ROWS, TTLayer, check_init, profiled
@@ -228,6 +229,12 @@ class TTEmbedding(TTLayer):
             w[self.padding_idx] = 0
         return w
 
+    @torch.no_grad()
+    def to_dense_module(self) -> nn.Embedding:
+        """The nn.Embedding computing what this layer computes (gates folded into the table)."""
+        return self._fill_dense(nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
+                                             **self._dense_kwargs()))
+
     def extra_repr(self) -> str:
         s = self.spec
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
@@ -296,6 +303,13 @@ class TTEmbeddingBag(TTEmbedding):
         return F.embedding_bag(position.reshape(input.shape), rows, offsets, mode=self.mode,
                                per_sample_weights=per_sample_weights,
                                include_last_offset=self.include_last_offset, padding_idx=pad)
+
+    @torch.no_grad()
+    def to_dense_module(self) -> nn.EmbeddingBag:
+        """The nn.EmbeddingBag computing what this layer computes (gates folded into the table)."""
+        return self._fill_dense(nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode,
+                                                include_last_offset=self.include_last_offset,
+                                                padding_idx=self.padding_idx, **self._dense_kwargs()))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mode={self.mode!r}" + (

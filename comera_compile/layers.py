@@ -204,6 +204,25 @@ class TTLayer(nn.Module):
     def dense_params(self) -> int:
         return self.spec.dense_params()
 
+    def to_dense_module(self) -> nn.Module:
+        """The plain dense layer computing what this layer computes, its gates folded into the weight (for
+        densify and resize_token_embeddings); each TT layer class gives its own."""
+        raise TypeError(f"densify does not know the dense form of {type(self).__name__}")
+
+    def _dense_kwargs(self) -> dict[str, Any]:
+        """device and dtype for the dense module: the cores'."""
+        return {"device": self.cores[0].device, "dtype": self.cores[0].dtype}
+
+    @torch.no_grad()
+    def _fill_dense(self, dense: nn.Module) -> nn.Module:
+        """`dense` (a freshly built dense layer of this layer's shape) given this layer's weight, its
+        parameters' requires_grad and its train/eval mode."""
+        dense.weight.copy_(self.to_dense())
+        for p in dense.parameters():
+            p.requires_grad_(self.cores[0].requires_grad)
+        dense.train(self.training)
+        return dense
+
     @torch.no_grad()
     def _reset_cores(self, target_std: float) -> None:
         """Fresh random cores (their product's entries of standard deviation target_std) and unit gates, in
@@ -334,6 +353,14 @@ class TTLinear(TTLayer):
     def to_dense(self) -> torch.Tensor:
         """The dense weight in nn.Linear's layout (out_features, in_features)."""
         return cores_to_dense(list(self.cores), list(self.gates), self.spec).t()
+
+    @torch.no_grad()
+    def to_dense_module(self) -> nn.Linear:
+        """The nn.Linear computing what this layer computes (gates folded into the weight, bias copied)."""
+        dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, **self._dense_kwargs())
+        if self.bias is not None:
+            dense.bias.copy_(self.bias)
+        return self._fill_dense(dense)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -11,6 +11,9 @@ storage is counted once however many tensors (views, a tensor saved by two ops) 
   references, so a tensor counts from the op that allocates it until its memory is freed.  Tensors that
   existed before (parameters, inputs) are not counted, nor are views of them.
 
+And one setting for CPU training: ``keep_freed_memory`` (glibc's malloc keeps freed buffers for the next step;
+compile_step and the backend's keep_memory option call it).
+
 Example::
 
     from comera_compile.memory import saved_bytes, peak_bytes
@@ -22,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from typing import Any, Callable, Iterable
@@ -31,7 +35,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["SavedTensors", "saved_bytes", "PeakMemory", "peak_bytes", "storage_key"]
+__all__ = ["SavedTensors", "saved_bytes", "PeakMemory", "peak_bytes", "storage_key", "keep_freed_memory"]
 
 _Key = tuple[str, int, int]
 
@@ -207,3 +211,24 @@ def peak_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     with PeakMemory() as mode:
         fn(*args, **kwargs)
     return mode.peak
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3   # glibc's mallopt parameters
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in the process for reuse, as CUDA's caching allocator does on
+    GPUs: buffers up to 32 MB come from the heap instead of fresh mmaps, and the heap is not trimmed back
+    to the OS.  A CPU training step frees and re-allocates the same activations every step; by default
+    each large buffer is a new mapping whose pages fault in again (docs/method.md section 7 has the cost).
+    Process-wide; resident memory stays at the high-water mark.  Returns whether it applied (False off
+    glibc); applied once per process."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return all(libc.mallopt(param, value) == 1 for param, value in (
+            (_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 << 20)))
+    except (OSError, AttributeError):
+        return False

@@ -392,6 +392,77 @@ def test_compile_step_keeps_an_explicit_optimizer_implementation():
     assert opt.param_groups[0]["foreach"] is False
 
 
+class _RecordingRankAdaptive(cc.RankAdaptive):
+    """A RankAdaptive recording each step's loss, result and whether dynamo was tracing the call; its
+    step number `switch_off_at` first zeroes a gate slice in every layer (as if the proximal step had)."""
+
+    def __init__(self, *args, switch_off_at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls, self.switch_off_at = [], switch_off_at
+
+    def step(self, loss=None):
+        if len(self.calls) + 1 == self.switch_off_at:
+            with torch.no_grad():
+                for layer in self.layers.values():
+                    layer.gates[0][0] = 0.0
+        reallocated = super().step()
+        self.calls.append((loss, reallocated, torch.compiler.is_compiling()))
+        return reallocated
+
+
+def test_compile_step_runs_the_rank_adaptive_step_after_each_step_eagerly():
+    """compile_step(..., rank_adaptive=ra): every step ends with ra.step(loss), outside the compiled code
+    (no graph is compiled for it, dynamo never traces it), and six steps with a re-allocation (cut_every=2,
+    realloc_at=1.0, a slice switched off in every layer before the first cut check) land where an eager
+    loop does."""
+    from comera_compile.backend import comera_backend
+    from comera_compile.optim import param_groups
+
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.Tanh(), nn.Linear(64, 5))
+        model = cc.tensorize(dense, rank=6, min_features=32)
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3), weight_decay=0.0)
+        ra = _RecordingRankAdaptive(model, optimizer=opt, cut_every=2, realloc_at=1.0, switch_off_at=2)
+        graphs, counts, losses = [], [], []
+
+        def counting(gm, example_inputs):
+            graphs.append(gm)
+            return comera_backend(gm, example_inputs)
+
+        step = cc.compile_step(model, lambda out, t: ra.loss(loss_fn(out, t)), opt, backend=counting,
+                               rank_adaptive=ra)
+        for i in range(6):
+            if compiled:
+                losses.append(step(x, target))
+            else:
+                loss = ra.loss(loss_fn(model(x), target))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+                ra.step(losses[-1])
+            counts.append(len(graphs))
+        return model, ra, losses, counts
+
+    model, ra, losses, counts = run(True)
+    eager, eager_ra, eager_losses, _ = run(False)
+    assert len(ra.calls) == 6 and all(c[0] is loss for c, loss in zip(ra.calls, losses))   # once per step
+    assert not any(c[2] for c in ra.calls)                               # never under dynamo
+    reallocated = [c[1] for c in ra.calls]
+    assert any(reallocated) and reallocated == [c[1] for c in eager_ra.calls]
+    for i in range(1, 6):   # a graph is compiled at the first step and after a re-allocation only
+        assert counts[i] == counts[i - 1] or reallocated[i - 1], (i, counts)
+    assert ra.ranks() == eager_ra.ranks()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_losses), rtol=1e-4, atol=1e-5)
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.shape == q.shape and (p - q).norm() <= 1e-4 * q.norm() + 1e-6, n
+
+
 def test_memory_option_applies_the_tempo_passes(caplog):
     caplog.set_level(logging.INFO, logger="comera_compile.tempo")
     torch.manual_seed(0)

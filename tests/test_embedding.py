@@ -1,6 +1,6 @@
 """Tests of the fast TT embedding lookup (distinct rows, planned core merging), TTEmbeddingBag, the
-EmbeddingBag rewrite of tensorize, the no-dense-table guarantee and the DLRM example (about 440 lines:
-the lookup planner's choices are each checked against the dense table).
+EmbeddingBag rewrite of tensorize, the no-dense-table guarantee and the DLRM example (the lookup planner's
+choices are each checked against the dense table).
 
 References are computed another way than the code under test: the dense table from to_dense() (itself
 checked against an independent reconstruction in test_layers.py) through F.embedding / F.embedding_bag, in

@@ -1,8 +1,8 @@
 """Tests of the TT layers (comera_compile.layers): TTLinear against nn.Linear, TTEmbedding against
 nn.Embedding, gradients (gradcheck and an independent dense reconstruction), padding_idx, errors, and the
-ordinary nn.Module conventions (state_dict, deepcopy, pickle, dtype conversion).  About 590 lines: the
-conventions both kinds of layer share are tested once here, parametrised over both; the embedding's lookup
-planning and bags are in test_embedding.py.
+ordinary nn.Module conventions (state_dict, deepcopy, pickle, dtype conversion).  The conventions both
+kinds of layer share are tested once here, parametrised over both; the embedding's lookup planning and bags
+are in test_embedding.py.
 
 Every reference is computed another way than the code under test: dense nn.Linear / nn.Embedding, float64,
 torch.autograd.gradcheck, or the dense weight rebuilt from the cores by the helpers below (plain tensordot

@@ -1,0 +1,88 @@
+"""What tensorize puts on a transformers model in place of its own methods, so that they keep working on
+TT layers: ``save_pretrained`` (the TT layout travels with the checkpoint, comera_compile.checkpoint),
+``resize_token_embeddings`` (a TT table is made dense to be resized) and, after tied='untie',
+``tie_weights`` (the untied layers stay apart).  ``attach`` is tensorize's last stage.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from comera_compile.checkpoint import save_pretrained
+from comera_compile.layers import TTLayer
+
+if TYPE_CHECKING:
+    from comera_compile.passes.module.select import TensorizeSummary
+
+__all__ = ["attach", "resize_token_embeddings"]
+
+
+def attach(model: nn.Module, summary: "TensorizeSummary") -> None:
+    """Put comera's save_pretrained, resize_token_embeddings and tie_weights on a tensorized transformers
+    model (one with a config and these methods); nothing on a GraphModule (summary.traced) or another model."""
+    if summary.traced:
+        return
+    if hasattr(model, "config") and callable(getattr(model, "save_pretrained", None)):
+        # Its own save_pretrained would write TT weights that the dense class then "loads" with fresh layers;
+        # this one records the layout for cc.from_pretrained instead.
+        model.save_pretrained = functools.partial(save_pretrained, model)
+    if callable(getattr(model, "resize_token_embeddings", None)) and callable(
+            getattr(model, "get_input_embeddings", None)):
+        model.resize_token_embeddings = functools.partial(resize_token_embeddings, model)
+    if summary.untied and callable(getattr(model, "tie_weights", None)):
+        model.tie_weights = functools.partial(_tie_weights, model)
+
+
+def _tie_weights(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """transformers' ``tie_weights`` on a model tensorize untied (tied='untie'): its config still names the
+    pairs to tie, but each member is now its own layer, and a TT layer has no ``weight`` to share; tying would
+    fail, or, once a resize has made them dense again, quietly replace one trained layer by the other.  The
+    model stays untied, as the user asked; with no TT layer left, transformers' own tying runs."""
+    if any(isinstance(m, TTLayer) for m in model.modules()) or getattr(model, "_comera_resized", False):
+        return None
+    return type(model).tie_weights(model, *args, **kwargs)
+
+
+def resize_token_embeddings(model: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    """transformers' ``model.resize_token_embeddings(...)`` on a tensorized model (tensorize puts this in its
+    place): a TT input embedding or output head is first made the dense layer it represents (exactly, its
+    gates folded in), so transformers resizes it as usual -- old rows unchanged, new rows initialised as
+    transformers does -- and it stays dense afterwards, with the reason in ``comera_summary`` and a warning.
+    A TT factorization of the resized table would change the old rows at any rank below full; call
+    ``cc.tensorize(model)`` again to compress the new table.  Returns what transformers returns."""
+    from comera_compile.passes.module.select import TensorizeError
+
+    names = {id(m): n for n, m in model.named_modules()}
+    summary = getattr(model, "comera_summary", None)
+    ends = {names.get(id(getattr(model, get)())) for get in ("get_input_embeddings", "get_output_embeddings")
+            if callable(getattr(model, get, None))}
+    for group in (summary.untied if summary is not None else []):
+        members = group.split(" and ")
+        others = [m for m in members if m not in ends]
+        if others and len(others) < len(members):
+            # e.g. T5: set_input_embeddings puts the one resized table in encoder and decoder as well
+            raise TensorizeError(f"resize_token_embeddings would make {group} one layer again (transformers "
+                                 f"resizes the input embedding and shares it), replacing {', '.join(others)}, "
+                                 f"which tensorize(tied='untie') gave layers of their own. Resize the dense model "
+                                 f"before tensorize, or tensorize with tied='keep'")
+    made_dense = []
+    for get, put in (("get_input_embeddings", "set_input_embeddings"),
+                     ("get_output_embeddings", "set_output_embeddings")):
+        layer = getattr(model, get)() if callable(getattr(model, get, None)) else None
+        if isinstance(layer, TTLayer) and callable(getattr(model, put, None)):
+            name = names.get(id(layer), get[4:])
+            getattr(model, put)(layer.to_dense_module())
+            made_dense.append(name)
+            if summary is not None:
+                summary.rewritten.pop(name, None)
+                summary.kept_dense[name] = ("made dense by resize_token_embeddings (a TT form of the resized "
+                                            "table would change its old rows); cc.tensorize(model) compresses it again")
+    if made_dense:
+        model._comera_resized = True   # no re-tying of what tensorize untied (_tie_weights)
+        warnings.warn(f"resize_token_embeddings: {', '.join(made_dense)} made dense to be resized (old rows exact); "
+                      f"call cc.tensorize(model) to compress again", stacklevel=2)
+    return type(model).resize_token_embeddings(model, *args, **kwargs)
