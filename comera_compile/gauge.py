@@ -1,7 +1,7 @@
 """Gauges of a TT layer: changes of its cores' and gates' scales, or bases, that leave the layer's function
 exactly as it was.  ``balance`` puts a layer in the balanced gauge RankAdaptive's penalty is measured in;
-``canonicalize`` rotates every bond to its singular basis (TT rounding), carrying the optimizer's moments
-over."""
+``canonicalize`` rotates every bond to its singular basis (TT rounding).  Mathematics only: the optimizer's
+moments are carried by the caller (optim_state.rescale, optim_state.restart)."""
 
 from __future__ import annotations
 
@@ -11,20 +11,13 @@ from .layers import TTLayer
 
 __all__ = ["balance", "canonicalize", "frobenius_norm"]
 
-# Optimizer state entries that are running averages of the squared gradient (they scale as its square).
-_SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
-
 # Below this fraction of its bond's largest, a half's column norm (balance) is float32 noise: the slice is not
 # rescaled by it.
 _NEGLIGIBLE = 1e-6
 
 # Below this fraction of its bond's largest, canonicalize gives a singular direction a zero gate (dropped).
-# Not 1e-6: in the rounded form a core's slice between two bonds carries 1 / sigma of each, so a direction
-# kept at 1e-6 leaves core entries up to 1e4-1e6 between two near-zero gates, where the balanced gauge
-# (which normalises each half of the train as a whole) cannot see them; the next Adam steps move both gates
-# by about a learning rate and the weight by (step)^2 / sigma.  On benchmarks/ra_teachers.py's six-head
-# teacher (seed 2, pull_below 0.25) that blew the layer up 1e5-fold four steps after the first rounding; at
-# 1e-4 none of 24 runs diverged.  A direction this weak is 1e-4 of its bond's weight: no slice being learned.
+# A direction kept far below this leaves its core slices at 1/sigma between two near-zero gates, out of the
+# balanced gauge's sight, and the next optimizer steps can blow the layer up (docs/method.md section 4).
 _DROPPED = 1e-4
 
 
@@ -64,29 +57,20 @@ def frobenius_norm(layer: TTLayer) -> float:
 
 
 @torch.no_grad()
-def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
+def balance(layer: TTLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Put `layer` in the balanced gauge (the function is unchanged): for every bond k, the train's left half
     L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
     ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
-    relative to the layer's Frobenius norm (comparable across layers).
-
-    With the optimizer's `state`, each gate's moments are carried into its new scale: a gate multiplied by f
-    has a gradient 1/f times the old one, so first moments are divided by f and second moments by f^2.
-    Left in the old scale, a gate the balance shrank a thousandfold meets gradients a thousand times larger
-    against second moments from before, and Adam's next steps on it are up to a few learning rates, on a gate
-    now a thousandth of its size.  Of 16 seeded runs of benchmarks/ra_teachers.py's six-head and stacked
-    64-64-64 teachers, 4 diverged without this carry (and with the Gram rounding canonicalize replaced); 1
-    with the carry and the Gram rounding; none with the carry and the QR rounding.  The cores' moments are left as they are: carrying them as well (single-layer discovery of a
-    dense rank-5 map, 8 seeds) ended 3 of 8 runs at 2x the noise or worse, one of them
-    collapsed to rank 1."""
+    relative to the layer's Frobenius norm (comparable across layers), and the factor f (float64) each gate
+    was multiplied by: its optimizer moments belong in the new scale (optim_state.rescale)."""
     n = len(layer.cores)
     if n < 2:
-        return []
+        return [], []
     flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
     g = [x.detach().double() for x in layer.gates]
     left, right = _grams(flat, g)
     norm = _weight_norm(left, right, g)
-    relative = []
+    relative, factors = [], []
     for k in range(n - 1):
         a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
         term = a * g[k].abs() * b
@@ -102,31 +86,19 @@ def balance(layer: TTLayer, state: dict | None = None) -> list[torch.Tensor]:
         core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
         fg = torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one)
         gate.mul_(fg.to(gate.dtype))
-        for key, value in ((state or {}).get(gate) or {}).items():
-            if isinstance(value, torch.Tensor) and value.shape == gate.shape and value.dim() > 0:
-                value.copy_((value.double() / fg ** (2 if key in _SECOND_MOMENTS else 1)).to(value.dtype))
+        factors.append(fg)
         relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
-    return relative
+    return relative, factors
 
 
 @torch.no_grad()
-def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
+def canonicalize(layer: TTLayer) -> None:
     """Rotate every bond of `layer` to its singular basis (TT rounding): the gates become the singular values
     of the bond's unfolding, so a slice's gate is its true share and redundant slices get zero gates.  The
-    function is unchanged but for directions below 1e-4 of their bond's largest singular value (dropped: see
-    _DROPPED).
-
-    The rounding works on the cores themselves: a QR sweep left to right leaves every core with orthonormal
-    columns, then an SVD sweep right to left reads each bond's singular values off one small core.  (The same
-    gates can be had from the SVD of the bond's gate between the square roots of its two halves' Gram
-    matrices, the first implementation; a Gram matrix squares the condition number of the half it comes
-    from, and where a half's columns were nearly dependent that rounding left cores with entries up to 6e4.
-    Over 8 seeds, 1,000 steps each, of benchmarks/ra_teachers.py's six-head and stacked 64-64-64 teachers,
-    4 of 16 runs diverged with it and the balance as it was then, none with this rounding and the balance
-    below.)
-
-    Every core and gate is rotated, so the optimizer's per-entry moments in `state` (if given) no longer
-    belong to the entries they sit on: see ``_restart_moments``."""
+    function is unchanged but for directions below _DROPPED of their bond's largest singular value.  A QR
+    sweep left to right leaves every core with orthonormal columns, then an SVD sweep right to left reads
+    each bond's singular values off one small core (no Gram matrices: they square the condition number).
+    Every entry is rotated: the optimizer's per-entry moments no longer fit (optim_state.restart)."""
     n = len(layer.cores)
     if n < 2:
         return
@@ -162,40 +134,3 @@ def canonicalize(layer: TTLayer, state: dict | None = None) -> None:
         core.copy_(flat[k].reshape(core.shape).to(core.dtype))
     for gate, value in zip(layer.gates, gates):
         gate.copy_(value.to(gate.dtype))
-    if state is not None:
-        for p in (*layer.cores, *layer.gates):
-            if state.get(p):
-                _restart_moments(p, state[p])
-
-
-def _restart_moments(p: torch.Tensor, st: dict) -> None:
-    """The optimizer's state of a TT core or gate the rounding rotated.
-
-    A core's entries belong to other rank slices after the rotation (the slices come out ordered by
-    singular value), and the scale of an entry's gradient follows the gates beside it: a slice with gate g
-    gets gradients g times its bond's strongest.  So a core's Adam moments restart from nothing, step count
-    included: Adam's bias correction then normalises every entry by its own gradients within a few steps,
-    as at the start of training.  What this replaced averaged the second moments over the rank axes, which
-    gave a weak slice the strong slices' second moments, Adam steps of its gate (not its learning rate) on
-    its cores, and with beta2 = 0.999 thousands of steps to lose them: a direction the task needed but had
-    not yet learned stayed unlearned, and the penalty zeroed its gate.  On benchmarks/ra_teachers.py's
-    four side-by-side teachers, 4 seeds each (3,000 steps at the defaults), 8 of 16 runs ended above 1.5x
-    the noise (the worst at 173x) before, 3 of 16 (the worst at 3.8x) after.
-
-    A gate's gradient has the same scale across its bond (the balanced gauge normalises both halves of the
-    train), so a gate keeps its bond's average second moment and its step count, and its first moment
-    restarts at zero.  Restarting the gates too made the step after each rounding a sign step of a whole
-    gate learning rate on every gate (held-out MSE 9x the noise for the next step, on a run at 1.1x).
-
-    Optimizers without Adam's bias-corrected second moment (SGD's momentum, RMSprop, Adagrad) keep what the
-    rounding did before: first moments zero, second moments averaged over the rotated axes."""
-    restart = p.dim() > 1 and "exp_avg_sq" in st and "step" in st
-    axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
-    for key, value in st.items():
-        if key == "step" and restart:
-            st[key] = value.zero_() if isinstance(value, torch.Tensor) else type(value)(0)
-        elif isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0:
-            if key in _SECOND_MOMENTS and not restart:
-                value.copy_(value.mean(axes, keepdim=True).expand_as(value))
-            else:
-                value.zero_()

@@ -1,7 +1,9 @@
 """What tensorize puts on a transformers model in place of its own methods, so that they keep working on
 TT layers: ``save_pretrained`` (the TT layout travels with the checkpoint, comera_compile.checkpoint),
 ``resize_token_embeddings`` (a TT table is made dense to be resized) and, after tied='untie',
-``tie_weights`` (the untied layers stay apart).  ``attach`` is tensorize's last stage.
+``tie_weights`` (the untied layers stay apart).  ``attach`` is tensorize's last stage.  And the
+``TrainerCallback`` that runs RankAdaptive inside ``transformers.Trainer`` (``trainer_callback``).
+transformers itself is imported only where a function needs it.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from comera_compile.layers import TTLayer
 if TYPE_CHECKING:
     from comera_compile.passes.module.select import TensorizeSummary
 
-__all__ = ["attach", "resize_token_embeddings"]
+__all__ = ["attach", "resize_token_embeddings", "trainer_callback"]
 
 
 def attach(model: nn.Module, summary: "TensorizeSummary") -> None:
@@ -86,3 +88,22 @@ def resize_token_embeddings(model: nn.Module, *args: Any, **kwargs: Any) -> nn.M
         warnings.warn(f"resize_token_embeddings: {', '.join(made_dense)} made dense to be resized (old rows exact); "
                       f"call cc.tensorize(model) to compress again", stacklevel=2)
     return type(model).resize_token_embeddings(model, *args, **kwargs)
+
+
+def trainer_callback(ra: Any) -> Any:
+    """A ``TrainerCallback`` running `ra` (a RankAdaptive) inside ``Trainer``: ``ra.step()`` after every
+    optimizer step (the Trainer's optimizer attached at the first), ``ra.cut(share=False)`` when training
+    ends.  With several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper
+    cannot be rebuilt mid-training, so switched-off slices stay allocated as zeros until the final cut."""
+    from transformers import TrainerCallback
+
+    class RankAdaptiveCallback(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if ra.optimizer is None and optimizer is not None:
+                ra.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
+            ra.step()
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ra.cut(share=False)
+
+    return RankAdaptiveCallback()

@@ -373,3 +373,8 @@ class TTLinear(TTLayer):
         s = self.spec
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, modes={s.in_modes}->{s.out_modes}, ranks={s.ranks}")
+
+
+def tt_layers(model: nn.Module) -> dict[str, TTLayer]:
+    """Every TT layer of `model` (TTLinear, the TT embeddings), by qualified name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}

@@ -1,6 +1,6 @@
 """The optimizer side of TT training: CoMERA's learning-rate groups, the optimizer's fast implementation,
-and parameters retired by a rank cut (an optimizer still holding them raises instead of training a stale
-copy)."""
+and parameters retired by a rank cut (an optimizer handed to the package that still holds one raises
+instead of training a stale copy).  Hooks are registered per optimizer, never process-wide."""
 
 from __future__ import annotations
 
@@ -9,30 +9,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .distributed import is_sharded
-from .layers import TTLayer
+from .layers import tt_layers
 
-__all__ = ["param_groups", "prefer_fast_implementation", "retire", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR",
-           "FAST_KEY"]
+__all__ = ["param_groups", "prefer_fast_implementation", "check_retired", "retire", "tt_layers", "CORE_LR_FACTOR",
+           "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
 GATE_LR_FACTOR = 20.0
 
 
-def tt_layers(model: nn.Module) -> dict[str, TTLayer]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, TTLayer)}
-
-
 def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = None, gate_lr: float | None = None,
                  weight_decay: float = 0.0) -> list[dict[str, Any]]:
     """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
     20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
-    ratios.  The groups ask for the optimizer's fast implementation: at its first step an optimizer built
-    from them switches groups left at torch's default to fused (else foreach) kernels, as
-    prefer_fast_implementation does; pass foreach= or fused= to the optimizer to choose yourself."""
+    ratios.  The groups are marked (FAST_KEY) for the optimizer's fast implementation, which an optimizer
+    built from them takes when handed to RankAdaptive or compile_step (prefer_fast_implementation); pass
+    foreach= or fused= to the optimizer to choose yourself."""
     core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
     gate_lr = GATE_LR_FACTOR * lr if gate_lr is None else gate_lr
     cores, gates = [], []
@@ -44,31 +39,19 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
     groups = [{"params": cores, "lr": core_lr, "weight_decay": weight_decay, "name": "tt_cores"},
               {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
               {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
-    _hook_once(_switch_marked_groups)
     return [{**g, FAST_KEY: True} for g in groups if g["params"]]
 
 
-# A param group key: switch this group to the optimizer's fast implementation at its first step.
+# A param group key set by param_groups: the group asks for the optimizer's fast implementation (taken, and
+# the key removed, by prefer_fast_implementation).
 FAST_KEY = "prefer_fast_implementation"
 
 
-def _switch_marked_groups(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    marked = [group.pop(FAST_KEY, False) for group in optimizer.param_groups]
-    if any(marked):
-        prefer_fast_implementation(optimizer)
-
-
 # Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
-# that still steps one of them would train a tensor the model no longer uses, silently: a global optimizer
-# pre-hook makes that an error.
+# that still steps one of them would train a tensor the model no longer uses, silently: check_retired's
+# per-optimizer pre-hook makes that an error.
 _RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_HOOKS: dict[Any, Any] = {}
-
-
-def _hook_once(hook: Any) -> None:
-    """Register a global optimizer step pre-hook, once per process."""
-    if hook not in _HOOKS:
-        _HOOKS[hook] = register_optimizer_step_pre_hook(hook)
+_WATCHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
 
 
 def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
@@ -77,11 +60,12 @@ def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
     tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
     update as the default.  Groups naming an implementation are left alone.  RankAdaptive does this to the
     optimizer it is given: hundreds of small TT cores make torch's default per-tensor loop the slow part
-    of an optimizer step."""
+    of an optimizer step.  The groups' FAST_KEY marks (param_groups) are removed."""
     from torch.optim.optimizer import _device_dtype_check_for_fused
 
     fresh = not optimizer.state
     for group in optimizer.param_groups:
+        group.pop(FAST_KEY, None)
         if group.get("foreach") is not None or group.get("fused"):
             continue
         # fused kernels have no DTensor sharding rule (FSDP2's parameters): foreach there
@@ -113,9 +97,15 @@ def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                     f"update it, or build the optimizer after the cut")
 
 
+def check_retired(optimizer: torch.optim.Optimizer) -> None:
+    """From now on `optimizer` raises at a step while it holds a parameter a cut retired (its own step
+    pre-hook, registered once)."""
+    if optimizer not in _WATCHED:
+        _WATCHED[optimizer] = optimizer.register_step_pre_hook(_check_not_retired)
+
+
 def retire(params: list[torch.Tensor]) -> None:
-    """Mark parameters a cut replaced: any optimizer step that still holds one raises (see _check_not_retired)."""
-    _hook_once(_check_not_retired)
+    """Mark parameters a cut replaced: an optimizer under check_retired that still holds one raises."""
     for p in params:
         key = id(p)
         _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))

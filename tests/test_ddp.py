@@ -86,10 +86,11 @@ def test_ddp_two_processes_match_single_process(tmp_path):
 CUT_STEPS = 15
 
 
-def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebuild: bool) -> None:
+def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebuild: str | None) -> None:
     """Train under DDP with RankAdaptive checking every 5 steps; half of every bond switched off by hand (the
-    same slices in both processes) before the first check, so it re-allocates the cores.  rebuild: follow
-    the documented path (a new DDP after ra.step() returns True); otherwise keep the stale wrapper."""
+    same slices in both processes) before the first check, so it re-allocates the cores.  rebuild: a new DDP
+    after each re-allocation, when ra.step() returns True ("return") or in an ra.on_reallocate callback
+    ("callback"); None keeps the stale wrapper."""
     import comera_compile as cc
 
     torch.set_num_threads(1)
@@ -102,10 +103,16 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
         ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
 
         def wrap():
-            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=not rebuild)
+            ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=rebuild is None)
             return torch.compile(ddp, backend="comera") if compiled else ddp
 
         fn = wrap()
+        if rebuild == "callback":
+            def rewrap(_: cc.RankAdaptive) -> None:
+                nonlocal fn
+                fn = wrap()
+
+            ra.on_reallocate(rewrap)
         g = torch.Generator().manual_seed(1)
         for step in range(CUT_STEPS):
             x, y = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
@@ -120,7 +127,7 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
                             gate[: gate.numel() // 2] = 0.0
             if ra.step():
                 result["snapshots"].append([p.detach().clone() for p in model.parameters()])
-                if rebuild:
+                if rebuild == "return":
                     fn = wrap()
         result["final"] = [p.detach().clone() for p in model.parameters()]
     except RuntimeError as e:
@@ -131,10 +138,11 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled):
+@pytest.mark.parametrize("compiled,rebuild", [(False, "return"), (True, "callback")],
+                         ids=["eager-rebuilt-on-return", "compiled-rebuilt-in-callback"])
+def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled, rebuild):
     out = str(tmp_path / "ra")
-    mp.spawn(_ra_worker, args=(2, _free_port(), out, compiled, True), nprocs=2, join=True)
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, compiled, rebuild), nprocs=2, join=True)
     a, b = (torch.load(f"{out}.{r}") for r in range(2))
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert len(a["snapshots"]) == len(b["snapshots"]) >= 1
@@ -146,7 +154,7 @@ def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
     out = str(tmp_path / "stale")
-    mp.spawn(_ra_worker, args=(2, _free_port(), out, False, False), nprocs=2, join=True)
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, False, None), nprocs=2, join=True)
     for r in range(2):
         error = torch.load(f"{out}.{r}")["error"]
         assert error is not None and "rebuild the wrapper" in error, error

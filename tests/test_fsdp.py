@@ -358,7 +358,8 @@ def test_a_checkpoint_does_not_load_into_smaller_ranks(tmp_path):
 
 
 def test_fused_optimizer_choice_falls_back_to_foreach_for_sharded_parameters(tmp_path):
-    """param_groups asks for the fused implementation, which DTensor cannot run: sharded groups get foreach."""
+    """param_groups asks for the fused implementation, which DTensor cannot run: sharded groups of an
+    optimizer handed to the package get foreach."""
     _spawn(_fused_worker, 2, str(tmp_path / "groups"))
     groups = torch.load(tmp_path / "groups")
     assert groups and all(g["foreach"] and not g.get("fused") for g in groups)
@@ -369,6 +370,7 @@ def _fused_worker(rank: int, world: int, out: str) -> None:
 
     model = _shard(_encoder(), compiled=False)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    cc.RankAdaptive(model, optimizer=opt)
     x = torch.randn(BATCH // world, SEQ, WIDTH)
     model(x).square().mean().backward()
     opt.step()

@@ -1,6 +1,6 @@
 """Rank-adaptive training: rank discovery, the late stage's size target, real cuts, checkpoints,
-torch.compile, and bad input.  About 480 lines: one class, tested in each way users train with it (DDP in
-test_ddp.py, the transformers Trainer in test_transformers.py)."""
+torch.compile, and bad input, in each way users train with it (DDP in test_ddp.py, FSDP2 in test_fsdp.py,
+the transformers Trainer here and in test_transformers.py)."""
 
 from __future__ import annotations
 
@@ -302,7 +302,8 @@ def test_cut_keeps_the_function_and_shrinks_params_and_flops():
     x = torch.randn(32, 64, dtype=torch.float64)
     before_out = model(x)
     before = cc.explain(model)
-    ra = RankAdaptive(model, cut_every=1, gamma=0.0, realloc_at=1.0)
+    opt = torch.optim.AdamW(param_groups(model))  # a re-allocation needs the optimizer
+    ra = RankAdaptive(model, cut_every=1, gamma=0.0, realloc_at=1.0, optimizer=opt)
     assert ra.step()  # re-allocated: new Parameters
     after = cc.explain(model)
     torch.testing.assert_close(model(x), before_out, rtol=1e-12, atol=1e-12)
@@ -534,19 +535,41 @@ def test_attached_optimizer_gets_the_fast_implementation_with_the_same_updates()
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)  # float32 rounding, through the SVD of the cuts
 
 
-def test_cut_without_the_optimizer_is_an_error_at_its_next_step():
+def test_a_reallocation_without_the_optimizer_is_an_error_before_anything_is_cut():
+    """An optimizer RankAdaptive was not given would train the old cores, silently: a re-allocation due in
+    step() with none attached raises first, the model's Parameters untouched."""
     torch.manual_seed(0)
     model = _net(8, 8)
     opt = torch.optim.AdamW(param_groups(model))
     ra = RankAdaptive(model, cut_every=1, realloc_at=1.0)  # no optimizer given
     _switch_off(model, 0.5)
     model(torch.randn(4, 64)).sum().backward()
+    before = list(model.parameters())
+    with pytest.raises(RuntimeError, match=r"no optimizer is attached.*ra\.attach\(opt\).*realloc_at=None"):
+        ra.step()
+    assert all(p is q for p, q in zip(model.parameters(), before)) and ra.cuts == 0
+    ra.attach(opt)
     assert ra.step()
+    opt.step()  # the attached optimizer holds the new Parameters
+
+
+def test_an_explicit_cut_without_the_optimizer_warns_and_every_attached_optimizer_checks_for_retired_ones():
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, cut_every=1, realloc_at=None)
+    _switch_off(model, 0.5)
+    assert not ra.step()  # the check switches the zero gates off, and cuts nothing (realloc_at=None)
+    with pytest.warns(UserWarning, match="built before the cut"):
+        assert ra.cut() > 0
+    first, second = (torch.optim.AdamW(param_groups(model)) for _ in range(2))
+    ra.attach(first)
+    ra.attach(second)  # the one RankAdaptive updates from now on
+    _switch_off(model, 0.75)
+    assert not ra.step()
+    assert ra.cut() > 0
+    second.step()
     with pytest.raises(RuntimeError, match="ra.attach"):
-        opt.step()  # would train cores the model no longer uses
-    opt2 = torch.optim.AdamW(param_groups(model))  # an optimizer built after the cut is fine
-    opt2.step()
-    ra.attach(opt2)
+        first.step()  # would train cores the model no longer uses
 
 
 def test_diverged_training_is_named_at_the_next_check():
@@ -582,13 +605,16 @@ def test_a_layer_whose_weight_explodes_is_named_at_the_next_check():
 
 @pytest.mark.parametrize("opt_cls,implementation", [(torch.optim.AdamW, "fused"), (torch.optim.RMSprop, "foreach")])
 def test_optimizer_built_from_param_groups_takes_its_fast_implementation(opt_cls, implementation):
-    """An optimizer built from param_groups runs fused (else foreach) kernels from its first step, with the
-    updates of torch's per-parameter loop; one that names its implementation keeps it."""
+    """An optimizer built from param_groups and handed to RankAdaptive runs fused (else foreach) kernels from
+    its first step, with the updates of torch's per-parameter loop; one that names its implementation keeps
+    it."""
     torch.manual_seed(0)
     fast_model = _net(8, 8)
     slow_model = copy.deepcopy(fast_model)
     fast = opt_cls(param_groups(fast_model, lr=1e-3))
     slow = opt_cls(param_groups(slow_model, lr=1e-3), foreach=False)
+    for m, o in ((fast_model, fast), (slow_model, slow)):
+        RankAdaptive(m, optimizer=o)  # handed to the package (never stepped here: the updates are the optimizer's)
     x, y = torch.randn(64, 64), torch.randn(64, 16)
     for _ in range(3):
         for m, o in ((fast_model, fast), (slow_model, slow)):
@@ -687,6 +713,7 @@ def test_rounding_restarts_the_cores_adam_and_keeps_the_gates_scale(amsgrad):
     (each entry normalised by its own gradient, not by the rank slices it sat on before), and on a gate the
     step of an AdamW whose second moment is its bond's average from before, its step count kept."""
     from comera_compile.gauge import canonicalize
+    from comera_compile.optim_state import replace, restart
 
     torch.manual_seed(0)
     layer = TTLinear(64, 48, rank=6, in_modes=(4, 4, 4), out_modes=(4, 4, 3), bias=False)
@@ -698,7 +725,8 @@ def test_rounding_restarts_the_cores_adam_and_keeps_the_gates_scale(amsgrad):
         opt.zero_grad()
     before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in layer.parameters()}
     with torch.no_grad():
-        canonicalize(layer, opt.state)
+        canonicalize(layer)
+        replace(opt, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
     start = {p: p.detach().clone() for p in layer.parameters()}
     fresh = copy.deepcopy(layer)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, amsgrad=amsgrad)
@@ -772,3 +800,54 @@ def test_every_teacher_case_allocates_at_defaults():
             assert row["mse"] <= 1.5, (case.name, row["mse"])
         as_good = [f["size"] for f in row["frontier"] if f["mse"] <= 1.02 * row["mse"]]
         assert not as_good or min(as_good) >= 1.4 * row["size"], (case.name, row["size"], row["frontier"])
+
+
+def _late_stage_run(loss_to_step: bool):
+    """A short run into the late stage, the task loss given to ra.loss() or to ra.step()."""
+    _, x, y, _, _ = _problem(0)
+    torch.manual_seed(1)
+    student = Heads(8, 8)
+    opt = torch.optim.AdamW(param_groups(student, lr=1e-3, core_lr=3e-3, gate_lr=1e-2))
+    ra = RankAdaptive(student, gamma=0.05, optimizer=opt, cut_every=20, target_ratio=0.5, late_stage_at=40)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(100):
+        idx = torch.randint(0, x.shape[0], (256,), generator=g)
+        loss = ((student(x[idx]) - y[idx]) ** 2).mean()
+        (loss if loss_to_step else ra.loss(loss)).backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step(loss) if loss_to_step else ra.step()
+    return ra
+
+
+def test_a_task_loss_given_to_step_drives_the_late_stage_as_one_given_to_loss():
+    given_to_loss, given_to_step = _late_stage_run(False), _late_stage_run(True)
+    for ra in (given_to_loss, given_to_step):
+        assert ra.stage == "late" and ra.size() < ra.history[38].size
+    assert given_to_step.size_target == given_to_loss.size_target
+    assert given_to_step.loss_target == given_to_loss.loss_target
+    assert [vars(r) for r in given_to_step.history] == [vars(r) for r in given_to_loss.history]
+    for name, masks in given_to_loss.masks.items():
+        assert all(torch.equal(a, b) for a, b in zip(masks, given_to_step.masks[name]))
+
+
+def test_on_reallocate_runs_once_per_reallocation_until_its_handle_is_removed():
+    """Callbacks get the RankAdaptive after each re-allocation, from step() or cut(), and only then."""
+    calls = []
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, optimizer=torch.optim.AdamW(param_groups(model)), cut_every=1, realloc_at=1.0)
+    handle = ra.on_reallocate(calls.append)
+    assert not ra.step() and calls == []  # nothing switched off: no re-allocation
+    _switch_off(model, 0.5)
+    assert ra.step() and calls == [ra]
+    assert ra.cut() == 0 and calls == [ra]
+    handle.remove()
+    _switch_off(model, 0.5)
+    assert ra.step() and calls == [ra]
+    other = _net(8, 8)
+    at_end = RankAdaptive(other, optimizer=torch.optim.AdamW(param_groups(other)), cut_every=1, realloc_at=None)
+    at_end.on_reallocate(calls.append)
+    _switch_off(other, 0.5)
+    assert not at_end.step() and calls == [ra]
+    assert at_end.cut() > 0 and calls == [ra, at_end]

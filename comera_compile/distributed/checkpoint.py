@@ -1,0 +1,115 @@
+"""Distributed checkpoints of a tensorized model whose ranks were cut (``torch.distributed.checkpoint``):
+saved at one world size, loaded at any other, the layers re-allocated at the checkpoint's ranks first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..layers import tt_layers
+from ..optim_state import replace
+from .fsdp import unsharded
+
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_ranks", "resize_ranks"]
+
+_MODEL, _OPTIM, _RA = "model", "optimizer", "rank_adaptive"
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    ra: Any = None) -> None:
+    """Save a training checkpoint with ``torch.distributed.checkpoint`` (one file per process; any number
+    of processes, or one without a process group): the model and optimizer state as torch's
+    ``get_state_dict`` gives them (FSDP2 shards saved as shards), and ``RankAdaptive``'s state.  Call it on
+    every process.  ``load_checkpoint`` restores it at any world size, cut ranks included."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {_MODEL: model_sd, _OPTIM: optim_sd}
+    else:
+        state = {_MODEL: get_model_state_dict(model)}
+    if ra is not None:  # kept whole (its masks have the checkpoint's shapes, which the loader reads first)
+        buf = io.BytesIO()
+        torch.save(ra.state_dict(), buf)
+        state[_RA] = buf.getvalue()
+    dcp.save(state, checkpoint_id=path)
+
+
+def checkpoint_ranks(path: str, model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The TT ranks each of `model`'s TT layers has in the checkpoint at `path` (read from the shapes the
+    checkpoint records for its cores)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    out = {}
+    for name, layer in tt_layers(model).items():
+        shapes = []
+        for k in range(len(layer.cores)):
+            key = f"{_MODEL}.{name}.cores.{k}"
+            if key not in meta:
+                raise ValueError(f"the checkpoint at {path} has no {key}: it was saved from another model "
+                                 f"(its TT layers differ from this model's)")
+            shapes.append(tuple(meta[key].size))
+        out[name] = (*(s[0] for s in shapes), shapes[-1][-1])
+    return out
+
+
+@torch.no_grad()
+def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
+                 optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Allocate each named TT layer at the given ranks (no larger than it has now) by keeping its leading
+    rank slices, FSDP2-sharded or not; the optimizer, if given, holds the new Parameters.  A model about to
+    load a checkpoint taken after cuts needs its shapes first; the values come from the checkpoint."""
+    layers = tt_layers(model)
+    if optimizer is not None and optimizer.state:
+        raise ValueError("give load_checkpoint a fresh optimizer (no state yet): its state comes from the "
+                         "checkpoint, and a stateful one may hold parameters the checkpoint's ranks replace")
+    for name, r in ranks.items():
+        have = layers[name].spec.ranks
+        if len(r) != len(have) or any(a > b for a, b in zip(r, have)):
+            raise ValueError(f"{name} has ranks {have} and the checkpoint {tuple(r)}: a layer cannot grow to load "
+                             f"it; build the model at ranks at least the checkpoint's (e.g. tensorize(..., "
+                             f"rank={max(r)}))")
+    with unsharded(model, layers, optimizer):
+        for name, r in ranks.items():
+            layer = layers[name]
+            keep = [None if n == layer.gates[k].numel() else torch.arange(n) for k, n in enumerate(r[1:-1])]
+            if all(k is None for k in keep):
+                continue
+            replace(optimizer, {id(old): (old, new) for old, new, _, _ in layer.prune_ranks(keep)}.values())
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    ra: Any = None) -> None:
+    """Restore what ``save_checkpoint`` saved, at any world size (call it on every process, after
+    ``fully_shard`` and with a fresh optimizer built on the model's parameters).  TT layers are first
+    re-allocated at the checkpoint's ranks (a model built at larger ranks is cut to them; one at smaller
+    ranks is an error), then the model, optimizer and ``RankAdaptive`` state are loaded in place."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+
+    resize_ranks(model, checkpoint_ranks(path, model), optimizer)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {_MODEL: model_sd, _OPTIM: optim_sd}
+    else:
+        state = {_MODEL: get_model_state_dict(model)}
+    if ra is not None:
+        state[_RA] = b""
+    dcp.load(state, checkpoint_id=path)
+    if optimizer is not None:
+        set_state_dict(model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM])
+    else:
+        set_model_state_dict(model, state[_MODEL])
+    if ra is not None:
+        if not state[_RA]:
+            raise ValueError(f"the checkpoint at {path} holds no RankAdaptive state (saved without ra=)")
+        ra.load_state_dict(torch.load(io.BytesIO(state[_RA]), weights_only=True))

@@ -1,0 +1,83 @@
+"""Replicas under torch.distributed (DDP, or FSDP2's whole-tensor work): every process must make RankAdaptive's
+decisions on the same numbers, so rank 0's TT parameters and masks are taken everywhere before a cut."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .fsdp import is_sharded
+
+__all__ = ["distributed", "synchronize", "agree_on_masks"]
+
+
+def distributed() -> bool:
+    """More than one process in an initialized default process group."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _flat_masks(masks: dict[str, list[torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([m.to(dtype) for ms in masks.values() for m in ms])
+
+
+def _copy_masks(masks: dict[str, list[torch.Tensor]], flat: torch.Tensor, threshold: float) -> None:
+    offset = 0
+    for ms in masks.values():
+        for m in ms:
+            m.copy_(flat[offset:offset + m.numel()] > threshold)
+            offset += m.numel()
+
+
+@torch.no_grad()
+def agree_on_masks(layers: dict[str, Any], masks: dict[str, list[torch.Tensor]]) -> bool:
+    """Every process takes rank 0's masks (its decision of what to switch off) and zeroes the gates they
+    switch off.  Returns whether anything was exchanged (several processes)."""
+    if not distributed():
+        return False
+    import torch.distributed as dist
+
+    flat = _flat_masks(masks, torch.uint8)
+    dist.broadcast(flat, 0)
+    _copy_masks(masks, flat, 0)
+    for name, ms in masks.items():
+        for k, m in enumerate(ms):
+            layers[name].gates[k].mul_(m.to(layers[name].gates[k].dtype))
+    return True
+
+
+@torch.no_grad()
+def synchronize(model: nn.Module, layers: dict[str, Any], masks: dict[str, list[torch.Tensor]]) -> bool:
+    """Check that the replicas still hold the same model (the parameters each process holds whole; FSDP2's
+    shards have one owner each), then take rank 0's TT parameters and masks everywhere.  Returns whether
+    anything was exchanged (several processes)."""
+    if not distributed():
+        return False
+    import torch.distributed as dist
+
+    params = [p for p in model.parameters() if not is_sharded(p)]
+    fp = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
+                      for p in params]).flatten() if params else torch.zeros(2, dtype=torch.float64)
+    hi, lo = fp.clone(), -fp
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MAX)
+    if not torch.allclose(hi, -lo, rtol=1e-6, atol=1e-9):
+        raise RuntimeError(
+            "RankAdaptive: the data-parallel replicas hold different parameters.  After a re-allocation the "
+            "cores are new Parameters: rebuild the wrapper (ddp = DistributedDataParallel(model, ...)) before "
+            "the next forward (in ra.on_reallocate(...), or when ra.step() returns True), or pass "
+            "realloc_at=None to keep the allocation until the end")
+    tensors = [p for layer in layers.values() for p in (*layer.cores, *layer.gates)]
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    flat_masks = _flat_masks(masks, flat.dtype)
+    dist.broadcast(flat, 0)
+    dist.broadcast(flat_masks, 0)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].reshape(t.shape))
+        offset += t.numel()
+    _copy_masks(masks, flat_masks, 0.5)
+    return True

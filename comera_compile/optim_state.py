@@ -1,0 +1,86 @@
+"""Optimizer-state surgery: new parameters put in place of old ones in an optimizer, each one's state
+carried through a transform.  ``replace`` is the one place in the package that edits an optimizer's
+groups or state; the transforms beside it say how a rank cut, a gauge change or a rounding moves the
+moments (docs/method.md section 4 has the reasons)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+__all__ = ["replace", "rescale", "restart", "index_select", "SECOND_MOMENTS"]
+
+# state[param] -> (state, old, new) -> the state `new` starts from
+Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]
+
+# Optimizer state entries that are running averages of the squared gradient (they scale as its square).
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
+
+
+def replace(optimizer: torch.optim.Optimizer | None, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+            transform: Transform | None = None) -> None:
+    """Put every `new` in its `old`'s place in the optimizer's param groups and move its state there, through
+    ``transform(state, old, new)`` when given.  `old` may be `new`: the state is then transformed where it is
+    (a transform that edits its tensors in place keeps them: a compiled optimizer step guards on them).
+    Parameters the optimizer has no state for are only swapped."""
+    if optimizer is None:
+        return
+    pairs = list(pairs)
+    swap = {id(old): new for old, new in pairs if old is not new}
+    if swap:
+        for group in optimizer.param_groups:
+            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+    state = optimizer.state
+    for old, new in pairs:
+        st = state.get(old) if old is new else state.pop(old, None)
+        if st is None:
+            continue
+        state[new] = st if transform is None else transform(st, old, new)
+
+
+def _per_element(value: object, p: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
+
+
+def rescale(factors: dict[int, torch.Tensor]) -> Transform:
+    """The moments of a gate multiplied by f = factors[id(gate)]: its gradient is 1/f the old one, so first
+    moments are divided by f and second moments by f^2 (in place)."""
+    def transform(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
+        f = factors[id(old)]
+        for key, value in st.items():
+            if _per_element(value, new):
+                value.copy_((value.double() / f ** (2 if key in SECOND_MOMENTS else 1)).to(value.dtype))
+        return st
+    return transform
+
+
+def restart(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
+    """The state of a TT core or gate a rounding rotated (in place).  Under Adam (a bias-corrected second
+    moment and a step count) a core's moments restart from nothing, step included; a gate keeps its step and
+    its bond's average second moment, its first moment restarts at zero.  Other optimizers: first moments
+    zero, second moments averaged over the rotated axes."""
+    p = new
+    from_nothing = p.dim() > 1 and "exp_avg_sq" in st and "step" in st
+    axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
+    for key, value in st.items():
+        if key == "step" and from_nothing:
+            st[key] = value.zero_() if isinstance(value, torch.Tensor) else type(value)(0)
+        elif _per_element(value, p):
+            if key in SECOND_MOMENTS and not from_nothing:
+                value.copy_(value.mean(axes, keepdim=True).expand_as(value))
+            else:
+                value.zero_()
+    return st
+
+
+def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:
+    """The state of a parameter cut to `index` along `dim`, for each (dim, index) in cuts[id(old)] in turn:
+    per-element state (AdamW's moments) cut alike, the rest kept."""
+    def transform(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
+        for dim, idx in cuts[id(old)]:
+            for key, value in st.items():
+                if isinstance(value, torch.Tensor) and value.dim() == new.dim() and value.dim() > 0:
+                    st[key] = value.index_select(dim, idx.to(value.device)).contiguous()
+        return st
+    return transform

@@ -1,0 +1,324 @@
+"""RankAdaptive, what users construct: rank gates shrunk by a proximal step in the balanced gauge after every
+optimizer step, every bond rounded to its singular basis and zero gates switched off every ``cut_every``
+steps, an optional late stage toward a size target, and re-allocations that cut switched-off slices out of
+the cores for real.  docs/method.md section 4 states the rule and the measurements behind its defaults."""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import distributed as _dist
+from ..gauge import balance, canonicalize
+from ..layers import DEFAULT_TAU, TTLayer, tt_layers
+from ..optim import check_retired, prefer_fast_implementation
+from ..optim_state import replace, rescale, restart
+from . import cuts
+from .allocation import Allocation
+from .divergence import check_finite
+from .penalty import KINDS, penalty, proximal_step
+from .reports import Reports
+
+__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS"]
+
+# Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
+# small einsums per bond).
+BALANCE_EVERY = 10
+
+# Steps after a rounding without the proximal step (at most a tenth of cut_every): the rounding restarts the
+# gates' first moments at zero, and Adam's pull on a gate takes about 1 / (1 - beta1) steps to rebuild.
+REBUILD_STEPS = 10
+
+
+@dataclass
+class _Record:
+    step: int
+    stage: str
+    size: int
+    ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    loss: float | None = None
+
+
+def _check_arguments(tau: Any, gamma: Any, target_ratio: Any, late_stage_at: Any, cut_every: Any, penalty: Any,
+                     pull_below: Any, realloc_at: Any) -> None:
+    if not (isinstance(tau, (int, float)) and tau > 0):
+        raise ValueError(f"tau must be a positive number (gates below it switch off), got {tau!r}")
+    if not (isinstance(gamma, (int, float)) and gamma >= 0):
+        raise ValueError(f"gamma must be a non-negative number, got {gamma!r}")
+    if target_ratio is not None and not 0 < target_ratio <= 1:
+        raise ValueError(f"target_ratio must be in (0, 1] (the late stage's size target as a fraction of "
+                         f"the size at its start), got {target_ratio!r}")
+    if late_stage_at is not None and target_ratio is None:
+        raise ValueError("late_stage_at needs target_ratio: the late stage steers toward a size target")
+    if not isinstance(cut_every, int) or cut_every < 1:
+        raise ValueError(f"cut_every must be a positive int (steps between cuts), got {cut_every!r}")
+    if penalty not in KINDS:
+        raise ValueError(f"penalty must be 'mcp' (default: no pull on a bond's strongest slice) or 'l1' (the "
+                         f"same pull on every slice), got {penalty!r}")
+    if not (isinstance(pull_below, (int, float)) and 0 < pull_below <= 1):
+        raise ValueError(f"pull_below must be in (0, 1] (the fraction of its bond's strongest slice from which a "
+                         f"gate feels no pull under penalty='mcp'), got {pull_below!r}")
+    if realloc_at is not None and not realloc_at >= 1:
+        raise ValueError(f"realloc_at must be >= 1 (allocated / active TT parameters that triggers a "
+                         f"re-allocation) or None (only explicit cut()), got {realloc_at!r}")
+
+
+class RankAdaptive(Reports):
+    """The rank-adaptive training hook for a tensorized model.  The loop: ``optimizer.step()``, then
+    ``ra.step(loss)`` (as an LR scheduler's step); ``ra.loss(task_loss)`` gives the current stage's objective
+    where its value is wanted (its penalty term carries no gradient: the penalty acts in ``step()``).
+
+    Give the optimizer (``optimizer=`` or ``ra.attach(opt)``): its gate learning rates set the proximal step
+    (``prox_lr`` stands in without one), re-allocations cut its state too, and it raises if it ever steps a
+    retired Parameter.  A re-allocation replaces the cores with new Parameters: ``step()`` returns True and
+    callbacks registered with ``on_reallocate`` run (a DistributedDataParallel wrapper is rebuilt there; under
+    FSDP2 the new Parameters are re-sharded in place).  Reports: ``ranks()``, ``allocated_ranks()``,
+    ``size()``, ``compression()``, ``report()``, ``history``.
+
+    Defaults are meant to be left alone with ``param_groups(model, lr)``'s learning rates: ``gamma`` 0.1 (a
+    tenth of an Adam step per step toward zero, for a gate near zero), ``penalty="mcp"`` (the pull fades to
+    none at ``pull_below`` = 0.15 of the bond's strongest slice; ``"l1"`` keeps it), ``tau`` 1e-6 (gates the
+    proximal step zeroed switch off), a rounding and cut check every ``cut_every`` = 100 steps, and a
+    re-allocation when the allocated TT parameters reach ``realloc_at`` = 2 times the active ones (None: only
+    an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training).  ``share_allocation`` allocates
+    layers of equal shape at equal ranks, so repeated blocks keep sharing one compiled graph.  The late stage
+    (``target_ratio``, ``late_stage_at``, ``target_loss``) steers toward a size target."""
+
+    def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
+                 target_ratio: float | None = None, target_loss: float | None = None,
+                 late_stage_at: int | None = None, cut_every: int = 100,
+                 optimizer: torch.optim.Optimizer | None = None, realloc_at: float | None = 2.0,
+                 prox_lr: float = 1e-3, share_allocation: bool = True, penalty: str = "mcp",
+                 pull_below: float = 0.15) -> None:
+        _check_arguments(tau, gamma, target_ratio, late_stage_at, cut_every, penalty, pull_below, realloc_at)
+        self.layers = tt_layers(model)
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
+                             f"(model = comera_compile.tensorize(model))")
+        self.model, self.tau, self.gamma = model, float(tau), float(gamma)
+        self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
+        self.cut_every, self.realloc_at = cut_every, realloc_at
+        self.optimizer: torch.optim.Optimizer | None = None
+        if optimizer is not None:
+            self.attach(optimizer)
+        self.prox_lr, self.share_allocation = float(prox_lr), bool(share_allocation)
+        self.penalty_kind, self.pull_below = penalty, float(pull_below)
+        self.steps, self.stage, self.cuts = 0, "early", 0
+        self.size_target: float | None = None
+        self.loss_target: float | None = None
+        self._last_loss: float | None = None
+        self._loss_ema: float | None = None
+        self.dense_params = sum(p.numel() for p in model.parameters()) + sum(
+            m.dense_params() - m.tt_params() for m in self.layers.values())
+        self._view = _dist.view(model, self.layers)   # plain or FSDP2-sharded: per-process gates and masks
+        first = next(iter(self.layers.values())).gates[0]
+        device = self._view.local(first).device
+        self._alloc = Allocation(self.layers, device)
+        self._penalty_t = torch.ones((), dtype=first.dtype, device=device)  # penalty() after the last step
+        self._norms: dict[str, tuple[int, float]] = {}   # each layer's weight norm at the last check
+        self._on_reallocate: OrderedDict[int, Callable[[RankAdaptive], Any]] = OrderedDict()
+        self._warned_unattached_cut = False
+        self.history: list[_Record] = []
+
+    @property
+    def masks(self) -> dict[str, list[torch.Tensor]]:
+        """Each layer's masks, one boolean per gate entry (False: switched off)."""
+        return self._alloc.masks
+
+    # -- objective ------------------------------------------------------------------------------------
+    def penalty(self) -> torch.Tensor:
+        """R: the mean penalty over the active gate entries of every TT layer, in the balanced gauge."""
+        masks = self._view.masks(self._alloc.masks)
+        return penalty([self._view.local(g) for layer in self.layers.values() for g in layer.gates],
+                       [m for name in self.layers for m in masks[name]], self.penalty_kind, self.pull_below,
+                       self._view.mean)
+
+    def loss(self, task_loss: torch.Tensor) -> torch.Tensor:
+        """The current stage's objective for this step's task loss, the penalty (as of the last step()) added
+        as a value without gradient.  Needed only where that value is wanted: ``step(loss)`` records the task
+        loss for the late stage as this does (and works where this cannot, inside a compiled region)."""
+        if self.late_stage_at is not None and not torch.compiler.is_compiling():
+            self._last_loss = float(task_loss.detach())
+        r = self._penalty_t.to(task_loss.dtype)
+        if self.stage == "early":
+            return task_loss + self.gamma * r
+        size = self._alloc.size_t.to(task_loss.dtype)
+        size_gap = (size - self.size_target) / size
+        loss_gap = (task_loss.detach() - self.loss_target) / task_loss.detach()
+        lam = (loss_gap < size_gap).to(task_loss.dtype)
+        return task_loss + (0.01 + lam) * r
+
+    # -- schedule -------------------------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores.  It
+        takes its fast implementation (prefer_fast_implementation) and, like every optimizer ever attached,
+        raises at a step while it holds a Parameter a cut retired."""
+        self.optimizer = optimizer
+        prefer_fast_implementation(optimizer)
+        check_retired(optimizer)
+
+    def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
+        """Call ``fn(ra)`` after every re-allocation (from ``step()`` or ``cut()``), when the cores are new
+        Parameters: rebuild a DistributedDataParallel wrapper there.  Returns a handle; ``.remove()`` it."""
+        handle = RemovableHandle(self._on_reallocate)
+        self._on_reallocate[handle.id] = fn
+        return handle
+
+    def trainer_callback(self) -> Any:
+        """A transformers ``TrainerCallback`` running this hook inside ``Trainer`` (huggingface.py)."""
+        from ..huggingface import trainer_callback
+
+        return trainer_callback(self)
+
+    def _gate_lrs(self) -> dict[int, float]:
+        if self.optimizer is None:
+            return {}
+        return {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def step(self, loss: torch.Tensor | float | None = None) -> bool:
+        """After optimizer.step(): shrink the gates (proximal step, in the balanced gauge) and advance the
+        schedule; every cut_every steps round every bond, switch off the zeroed gates, prune toward the late
+        stage's target and re-allocate when due.  `loss` (this step's task loss, tensor or float) feeds the
+        late stage's moving average as ``loss()`` does, so ``loss()`` is needed only for the stage's objective
+        value.  Returns True when the cores were re-allocated (new Parameters; ``on_reallocate`` callbacks
+        have run)."""
+        if loss is not None and self.late_stage_at is not None:
+            self._last_loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        self.steps += 1
+        if self._last_loss is not None:
+            self._loss_ema = self._last_loss if self._loss_ema is None else (
+                0.9 * self._loss_ema + 0.1 * self._last_loss)
+        # In the late stage the size target is the goal: once reached, no further slice is shrunk.
+        shrinking = self.gamma > 0 and (self.stage == "early" or self.size() > self.size_target)
+        if self.steps > self.cut_every and (self.steps - 1) % self.cut_every < min(REBUILD_STEPS,
+                                                                                   self.cut_every // 10):
+            shrinking = False  # the gates' first moments are rebuilding after the last rounding
+        alloc, view = self._alloc, self._view
+        if (self.steps - 1) % BALANCE_EVERY == 0:
+            with view.unsharded(self.optimizer):
+                for name, layer in self.layers.items():
+                    alloc.importance[name] = self._balance(layer)
+        params = [g for layer in self.layers.values() for g in layer.gates]
+        gates = [view.local(g) for g in params]   # the update is elementwise: this process's part
+        if shrinking:
+            lrs = self._gate_lrs()
+            proximal_step(gates, [self.gamma * lrs.get(id(g), self.prox_lr) for g in params], self.penalty_kind,
+                          self.pull_below)
+        masks = view.masks(alloc.masks)
+        for name, k in alloc.masked:
+            view.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
+        self._penalty_t.copy_(self.penalty())
+        if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
+            self.stage = "late"
+            self.size_target = self.target_ratio * self.size()
+            if self.target_loss is not None:
+                self.loss_target = self.target_loss
+            else:
+                self.loss_target = self._loss_ema if self._loss_ema is not None else 0.0
+        reallocated = self._check() if self.steps % self.cut_every == 0 else False
+        self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
+        if reallocated:
+            self._reallocated()
+        return reallocated
+
+    def _balance(self, layer: TTLayer) -> list[torch.Tensor]:
+        """Balance `layer`, its gates' moments carried into their new scale; returns the slices' importance."""
+        importance, factors = balance(layer)
+        replace(self.optimizer, [(g, g) for g in layer.gates[:len(factors)]],
+                rescale({id(g): f for g, f in zip(layer.gates, factors)}))
+        return importance
+
+    def _check(self) -> bool:
+        """The check every cut_every steps, on whole tensors; returns whether it re-allocated."""
+        alloc = self._alloc
+        removed = 0
+        with self._view.unsharded(self.optimizer):
+            check_finite(self.layers, self._norms, self.steps)
+            if _dist.synchronize(self.model, self.layers, alloc.masks):
+                alloc.update()
+            for name, layer in self.layers.items():
+                canonicalize(layer)
+                replace(self.optimizer, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
+                # the gates' moments stay in the balanced scale (first ones restarted, second ones averaged),
+                # not the singular values' scale the rounding left the gates in: nothing to carry
+                alloc.importance[name] = balance(layer)[0]
+            alloc.switch_off(self.tau, self.size_target if self.stage == "late" else None)
+            if self.stage == "late":
+                self._prune_toward_target()
+            if _dist.agree_on_masks(self.layers, alloc.masks):
+                alloc.update()
+            if alloc.reallocation_due(self.realloc_at, self.share_allocation):
+                if self.optimizer is None:
+                    raise RuntimeError(
+                        f"RankAdaptive at step {self.steps}: a re-allocation is due but no optimizer is attached, "
+                        f"and one built on the old cores would go on training tensors the model no longer uses.  "
+                        f"Give it (RankAdaptive(model, optimizer=opt) or ra.attach(opt)), or pass "
+                        f"realloc_at=None and cut() at the end.  Nothing was cut")
+                removed = self._cut(self.share_allocation)
+        self._view.refresh(alloc.masks)
+        return removed > 0
+
+    def _prune_toward_target(self) -> None:
+        """In the late stage: prune toward the size target when the size is relatively further from its target
+        than the averaged loss from its own (the achievement scalarization's choice)."""
+        size = self.size()
+        if size <= self.size_target:
+            return
+        if self._loss_ema is not None and self.loss_target is not None and self._loss_ema > 0:
+            if (self._loss_ema - self.loss_target) / self._loss_ema >= (size - self.size_target) / size:
+                return
+        self._alloc.prune_toward(self.size_target)
+
+    @torch.no_grad()
+    def cut(self, share: bool | None = None) -> int:
+        """Cut switched-off rank slices out of the cores (and the attached optimizer's state) now: new, smaller
+        Parameters.  Returns the number of parameters removed.  ``share`` (default: ``share_allocation``)
+        keeps as many slices as the largest active rank among layers of equal shape; ``share=False`` (the end
+        of training) only the active ones.  Under FSDP2 call it on every process.  With no optimizer attached
+        it warns once: an optimizer built before the cut must be rebuilt."""
+        with self._view.unsharded(self.optimizer):
+            removed = self._cut(self.share_allocation if share is None else share)
+        self._view.refresh(self._alloc.masks)
+        if removed and self.optimizer is None and not self._warned_unattached_cut:
+            self._warned_unattached_cut = True
+            warnings.warn("RankAdaptive.cut() replaced TT cores and gates with no optimizer attached: an optimizer "
+                          "built before the cut would train tensors the model no longer uses; build it anew (or "
+                          "ra.attach(opt) before cutting)", stacklevel=2)
+        if removed:
+            self._reallocated()
+        return removed
+
+    def _cut(self, share: bool) -> int:
+        removed = cuts.cut(self._alloc, self.optimizer, share)
+        if removed:
+            self.cuts += 1
+        return removed
+
+    def _reallocated(self) -> None:
+        for fn in list(self._on_reallocate.values()):
+            fn(self)
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "stage": self.stage, "cuts": self.cuts, "size_target": self.size_target,
+                "loss_target": self.loss_target, "last_loss": self._last_loss, "loss_ema": self._loss_ema,
+                "masks": {n: [m.clone() for m in ms] for n, ms in self._alloc.masks.items()},
+                "history": [vars(r).copy() for r in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._alloc.load(state["masks"], {n: [self._view.local(g).device for g in layer.gates]
+                                          for n, layer in self.layers.items()})
+        self.steps, self.stage, self.cuts = state["steps"], state["stage"], state["cuts"]
+        self.size_target, self.loss_target = state["size_target"], state["loss_target"]
+        self._last_loss, self._loss_ema = state["last_loss"], state.get("loss_ema")
+        self.history = [_Record(**r) for r in state["history"]]
+        self._view.refresh(self._alloc.masks)
+        with torch.no_grad():
+            self._penalty_t.copy_(self.penalty())  # loss() adds it: as after the saved run's last step
