@@ -177,9 +177,8 @@ class RankAdaptive(Reports):
         return trainer_callback(self)
 
     def _gate_lrs(self) -> dict[int, float]:
-        if self.optimizer is None:
-            return {}
-        return {id(p): float(g["lr"]) for g in self.optimizer.param_groups for p in g["params"]}
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
 
     @torch.no_grad()
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
@@ -218,10 +217,8 @@ class RankAdaptive(Reports):
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
             self.stage = "late"
             self.size_target = self.target_ratio * self.size()
-            if self.target_loss is not None:
-                self.loss_target = self.target_loss
-            else:
-                self.loss_target = self._loss_ema if self._loss_ema is not None else 0.0
+            self.loss_target = self.target_loss if self.target_loss is not None else (
+                self._loss_ema if self._loss_ema is not None else 0.0)
         reallocated = self._check() if self.steps % self.cut_every == 0 else False
         self.history.append(_Record(self.steps, self.stage, self.size(), self.ranks(), self._last_loss))
         if reallocated:
