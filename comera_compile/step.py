@@ -91,7 +91,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     ``torch.autocast`` on the model's device type; backward and the optimizer step run outside it.
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
-    detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores."""
+    detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
+    (``optimizer`` is attached to it if it has none)."""
+    from comera_compile.optim import FAST_KEY, prefer_fast_implementation
+
+    if rank_adaptive is not None and rank_adaptive.optimizer is None:
+        rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
     kwargs: dict[str, Any] = {"options": options} if options else {}
     if mode is not None:
         kwargs["mode"] = mode
@@ -117,11 +122,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         if "fn" not in state:
             on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
             use = on_cuda if compile_optimizer is None else compile_optimizer
-            if use:
+            if use:   # torch's own kernels, compiled: the groups' marks asking for fused ones go
+                for group in optimizer.param_groups:
+                    group.pop(FAST_KEY, None)
                 state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
             else:
-                from comera_compile.optim import prefer_fast_implementation
-
                 prefer_fast_implementation(optimizer)
                 state["fn"] = optimizer.step
         state["fn"]()
