@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import textwrap
 from pathlib import Path
 
 import torch
@@ -57,6 +58,14 @@ def readme_block(section: str, lang: str = "bash", index: int = 0) -> str:
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
     return body.split(f"```{lang}\n")[index + 1].split("```", 1)[0]
+
+
+def readme_marked_block(marker: str) -> str:
+    """The fenced python block that follows the marker comment (e.g. ``<!-- trainer-lines -->``) in the
+    README, dedented (blocks inside list items are indented)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    start = text.index("```python\n", text.index(marker)) + len("```python\n")
+    return textwrap.dedent(text[start:text.index("```", start)])
 
 
 def readme_commands(section: str) -> list[list[str]]:

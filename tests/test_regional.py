@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import os
 import socket
-import textwrap
 import warnings
 
 import pytest
@@ -20,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import comera_compile as cc
 from comera_compile.regional import eager_blocks
+from helpers import readme_marked_block
 
 transformers = pytest.importorskip("transformers")
 
@@ -212,13 +212,6 @@ def test_under_ddp_each_process_compiles_one_graph_for_twelve_layers(tmp_path):
         assert all(torch.isfinite(torch.tensor(result["losses"])))
 
 
-def _readme_block(marker: str) -> str:
-    """The fenced python block that follows the marker comment in README.md."""
-    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8").read()
-    start = text.index("```python\n", text.index(marker)) + len("```python\n")
-    return textwrap.dedent(text[start:text.index("```", start)])
-
-
 def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp_path, monkeypatch, fresh_dynamo):
     """README's transformers Trainer lines, run as written: the decoder layers compiled by "comera" (one
     graph for all twelve), RankAdaptive's callback stepping with the Trainer's optimizer and cutting at the
@@ -231,7 +224,7 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
     names: dict = {"model": model, "train_data": train_data, "steps": steps}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(_readme_block("<!-- trainer-lines -->"), "README.md", "exec"), names)
+        exec(compile(readme_marked_block("<!-- trainer-lines -->"), "README.md", "exec"), names)
     trainer, ra, loaded = names["trainer"], names["ra"], names["model"]
     assert trainer.state.global_step == steps and ra.steps == steps and ra.optimizer is not None
     assert _graphs() == 1 and eager_blocks(trainer.model) == {}
