@@ -24,7 +24,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
-from comera_compile.examples.demo_dist import PARALLEL, World, from_env, placement_checks, shutdown
+from comera_compile.examples.demo_dist import PARALLEL, World, from_env, placement_checks, run_in_world
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
@@ -254,14 +254,7 @@ def run(cfg: DemoConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     its rows of every global batch (cfg.parallel: DDP or FSDP2); the first process logs and writes."""
     cfg.check()
     world = from_env(cfg.device, cfg.parallel)
-    clean = False
-    try:
-        cfg.check(world.size)
-        result = _run(cfg, world, log if world.main else (lambda _: None))
-        clean = True
-        return result
-    finally:
-        shutdown(world, clean)
+    return run_in_world(cfg, world, _run, log)
 
 
 def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str, Any]:

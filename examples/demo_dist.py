@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree", "placement_checks"]
+__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree", "placement_checks", "run_in_world"]
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -98,6 +99,20 @@ def shutdown(world: World, clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def run_in_world(cfg: Any, world: World, body: Callable[[Any, World, Callable[[str], None]], Any],
+                 log: Callable[[str], None]) -> Any:
+    """``body(cfg, world, log)`` on every process of `world` (the config checked for its size; only the first
+    process logs), then the process group shut down, cleanly when the body returned."""
+    clean = False
+    try:
+        cfg.check(world.size)
+        result = body(cfg, world, log if world.main else (lambda _: None))
+        clean = True
+        return result
+    finally:
+        shutdown(world, clean)
 
 
 def wrap(model: nn.Module, world: World) -> nn.Module:

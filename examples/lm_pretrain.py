@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import World, from_env, shutdown
+from comera_compile.examples.demo_dist import World, from_env, run_in_world
 from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaShape, PretrainConfig, preset
 from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss, decoder_params, evaluate,
                                               galore_optimizer, lr_factor, total_params, train_one)
@@ -62,14 +62,7 @@ def run(cfg: PretrainConfig, log: Callable[[str], None] = print) -> dict[str, An
     if cfg.threads is not None and "OMP_NUM_THREADS" not in os.environ:  # torchrun's choice stands
         torch.set_num_threads(cfg.threads)
     world = from_env(cfg.device)
-    clean = False
-    try:
-        cfg.check(world.size)
-        result = _run(cfg, world, log if world.main else (lambda _: None))
-        clean = True
-        return result
-    finally:
-        shutdown(world, clean)
+    return run_in_world(cfg, world, _run, log)
 
 
 def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[str, Any]:
