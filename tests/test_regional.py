@@ -129,6 +129,46 @@ def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_
     assert _graphs() == 3 and eager_blocks(model) == {}
 
 
+def test_compile_step_with_the_rank_adaptive_trains_a_12_layer_decoder_as_the_eager_loop(fresh_dynamo):
+    """A 12-layer Qwen2 at RankAdaptive's defaults but for an early cut check: cc.compile_step(...,
+    rank_adaptive=ra) (the optimizer attached by it) follows the eager loop `loss.backward(); opt.step();
+    opt.zero_grad(); ra.step(loss)` on a copy, through a re-allocation that recompiles once for all layers."""
+    model = _model("qwen2")
+    twin = copy.deepcopy(model)
+    runs = []
+    for m, compiled in ((model, True), (twin, False)):
+        opt = torch.optim.AdamW(cc.param_groups(m, lr=1e-3))
+        ra = cc.RankAdaptive(m, cut_every=2, realloc_at=1.0)
+
+        def switch_off(optimizer, args, kwargs, ra=ra):
+            if ra.steps == 1:   # after the second optimizer step: the check of ra.step() 2 re-allocates
+                with torch.no_grad():
+                    for layer in ra.layers.values():
+                        layer.gates[1][:4] = 0.0
+
+        opt.register_step_post_hook(switch_off)
+        step = cc.compile_step(m, _loss, opt, rank_adaptive=ra) if compiled else None
+        if not compiled:
+            ra.attach(opt)
+        losses = []
+        for i in range(4):
+            x, y = _batch(i)
+            if compiled:
+                losses.append(step(x, y))
+            else:
+                loss = _loss(m(x), y)
+                loss.backward(); opt.step(); opt.zero_grad()
+                ra.step(loss)
+                losses.append(loss.detach())
+        runs.append((ra, losses))
+    (ra, losses), (ra_eager, want) = runs
+    assert ra.optimizer is not None and ra.steps == ra_eager.steps == 4 and ra.cuts == ra_eager.cuts >= 1
+    assert [r.step for r in ra.history if r.size < ra.history[0].size][:1] == [2]
+    assert ra.allocated_ranks() == ra_eager.allocated_ranks()
+    assert _graphs() == 2 and eager_blocks(model) == {}
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-5)
+
+
 class _Indexed(nn.Module):
     """A block that reads a per-layer int in its forward: dynamo guards it, so each layer needs a graph."""
 
