@@ -140,7 +140,9 @@ def format_table(result: dict[str, Any]) -> str:
         ("decoder-layer parameters, start -> end", "decoder"),
         ("active TT parameters, start -> end", "tt"),
         ("mean active TT rank, start -> end", "rank"),
-        ("val perplexity (loss) at equal time", "time_ppl"),
+        # the budget's end: equal time on a wall-clock budget, equal steps (and tokens) on a step budget
+        (f"val perplexity (loss) at equal {'time' if result['config']['minutes'] is not None else 'steps'}",
+         "time_ppl"),
         (f"val perplexity (loss) at {b}'s {k_tokens} tokens", "token_ppl"),
         (f"time to reach {b}'s final val perplexity {s['baseline_val_ppl']:.2f}", "reach"),
     ]

@@ -268,7 +268,8 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
     assert d["history"]["lr"] == pytest.approx([1e-3 * lp.lr_factor(k, k / 4, 1, 0.25) for k in range(1, 5)])
     s = result["summary"]["methods"]
     assert s["comera"]["equal_tokens"]["tokens"] == tokens  # equal steps: the equal-token point is the end
-    for label in ("val perplexity (loss) at equal time", "at dense's 256 tokens", "time to reach dense's final",
+    assert "at equal time" not in table  # a step budget: the ends are at equal steps, not equal time
+    for label in ("val perplexity (loss) at equal steps", "at dense's 256 tokens", "time to reach dense's final",
                   "active TT parameters", "median step time", "tokens/s", "parameters + optimizer"):
         assert label in table
     assert [c.strip() for c in table.splitlines()[0].split("|")[2:-1]] == ["dense", "CoMERA", "GaLore"]
