@@ -59,22 +59,25 @@ class CudaGraphCaptures:
             torch.cuda.CUDAGraph.capture_begin = self._saved
 
 
+CUDA_GRAPHS = (None, "compiled", "step", "off")
+
+
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
                  keep_memory: bool = True, regional: bool = True, mode: str | None = None,
-                 autocast: torch.dtype | None = None,
+                 autocast: torch.dtype | None = None, cuda_graphs: str | None = None, warmup: int = 2,
                  rank_adaptive: "RankAdaptive | None" = None) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
     ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
     and loss compile with the backend, and AOTAutograd compiles the backward with them.
 
-    compile_optimizer: the optimizer step compiles too when True; the default (None) compiles it on CUDA,
-    where it joins the CUDA Graph replay, and not on CPU, where compiling a TT model's many small tensors
-    costs long and gains nothing over the optimizer's multi-tensor kernels.  Run eagerly, param groups left
-    at torch's default implementation are switched to the fused one where the optimizer has it, else to
-    foreach (``optim.prefer_fast_implementation``); both compute the same update.
+    compile_optimizer: True compiles the optimizer step too (with the backend, its CUDA Graphs off); the
+    default (None) runs it eagerly: param groups left at torch's default implementation are switched to the
+    fused one where the optimizer has it, else to foreach (``optim.prefer_fast_implementation``); both
+    compute the same update, in a few multi-tensor kernels.  On the CPU compiling a TT model's many small
+    tensors costs long and gains nothing over those kernels.
     keep_memory calls ``memory.keep_freed_memory()`` for models on the CPU (process-wide; False leaves
     malloc alone).
 
@@ -86,6 +89,14 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     model without repeated blocks, compiles forward and loss as one graph: slower to compile, slightly
     faster per step.
 
+    cuda_graphs, for a model on CUDA: "compiled" (the default) replays each compiled graph with Inductor's
+    CUDA Graph trees (backend "comera", or mode "reduce-overhead"), the eager parts and the optimizer between
+    them launched kernel by kernel; "step" captures the whole step -- forward, loss, backward, optimizer step,
+    zero_grad -- as one CUDA graph (``graphs.StepGraph``: static input buffers, a capturable optimizer,
+    ``warmup`` calls per input shape before the capture, a new capture after a rank re-allocation, a new
+    input shape or a changed optimizer setting) and replays it, one launch per step; "off" launches every
+    kernel.  Ignored on the CPU, except "step", which is an error there.
+
     mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
     records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
     ``torch.autocast`` on the model's device type; backward and the optimizer step run outside it.
@@ -95,20 +106,32 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     (``optimizer`` is attached to it if it has none)."""
     from comera_compile.optim import FAST_KEY, prefer_fast_implementation
 
+    if cuda_graphs not in CUDA_GRAPHS:
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
     if rank_adaptive is not None and rank_adaptive.optimizer is None:
         rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
     kwargs: dict[str, Any] = {"options": options} if options else {}
     if mode is not None:
         kwargs["mode"] = mode
-    if keep_memory and not any(p.is_cuda for p in model.parameters()):
+    on_cuda = any(p.is_cuda for p in model.parameters())
+    if keep_memory and not on_cuda:
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
+    whole = cuda_graphs == "step"
+    if whole or (cuda_graphs == "off" and on_cuda):
+        kwargs = _without_cuda_graphs(kwargs, backend, "step" if whole else "off")
+    if whole:   # refused before anything is compiled or changed
+        from comera_compile import graphs as _graphs
+
+        _graphs.check_capturable(optimizer, model)
+        capture = _graphs.CudaGraphs(next((p.device for g in optimizer.param_groups for p in g["params"]), None))
 
     def forward_loss(*args: Any) -> torch.Tensor:
         *inputs, target = args
         if autocast is None:
             return loss_fn(model(*inputs), target)
-        with torch.autocast(device_type, dtype=autocast):
+        # a captured step casts afresh in every replay: autocast's cache would hold the capture's casts
+        with torch.autocast(device_type, dtype=autocast, cache_enabled=not whole):
             return loss_fn(model(*inputs), target)
 
     blocks = compile_blocks(model, backend=backend, fullgraph=fullgraph, **kwargs) if regional else []
@@ -116,29 +139,58 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         fwd = forward_loss
     else:
         fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)
-    state: dict[str, Any] = {}
+    if compile_optimizer:   # torch's own kernels, compiled: the groups' marks asking for fused ones go
+        for group in optimizer.param_groups:
+            group.pop(FAST_KEY, None)
+        opt_step = torch.compile(optimizer.step, backend=backend, **_without_cuda_graphs(kwargs, backend, "optimizer"))
+    else:
+        prefer_fast_implementation(optimizer)
+        opt_step = optimizer.step
 
-    def opt_step() -> None:
-        if "fn" not in state:
-            on_cuda = any(p.is_cuda for g in optimizer.param_groups for p in g["params"])
-            use = on_cuda if compile_optimizer is None else compile_optimizer
-            if use:   # torch's own kernels, compiled: the groups' marks asking for fused ones go
-                for group in optimizer.param_groups:
-                    group.pop(FAST_KEY, None)
-                state["fn"] = torch.compile(optimizer.step, backend=backend, **kwargs)
-            else:
-                prefer_fast_implementation(optimizer)
-                state["fn"] = optimizer.step
-        state["fn"]()
-
-    def step(*args: Any) -> torch.Tensor:
+    def run(*args: Any) -> torch.Tensor:
         loss = fwd(*args)
         loss.backward()
         opt_step()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss.detach()
+        # a compiled graph's output lives in CUDA Graph memory that the next step's replay overwrites
+        return loss.detach().clone() if on_cuda and not whole else loss.detach()
+
+    if whole:
+        from comera_compile.graphs import StepGraph
+        from comera_compile.rank_adaptive import rank_adaptive_of
+
+        ra = rank_adaptive if rank_adaptive is not None else rank_adaptive_of(model)
+        graph = StepGraph(run, model, optimizer, warmup=warmup, graphs=capture,
+                          extra=(lambda: ra.graph_state()) if ra is not None else None)
+        inner: Callable[..., torch.Tensor] = graph
+    else:
+        graph, inner = None, run
+
+    def step(*args: Any) -> torch.Tensor:
+        loss = inner(*args)
         if rank_adaptive is not None:   # eager, after every compiled part of the step has run
             rank_adaptive.step(loss)
         return loss
 
+    step.graph = graph   # the StepGraph (its captures, replays and warm-ups) with cuda_graphs="step"
     return step
+
+
+def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: str) -> dict[str, Any]:
+    """torch.compile's arguments with the compiled graphs' own CUDA Graphs off: backend "comera"'s option
+    ``cudagraphs`` False; mode "reduce-overhead" is an error where the whole step is one graph (a graph
+    cannot be captured inside another) and dropped for the optimizer step."""
+    kwargs = dict(kwargs)
+    if kwargs.get("mode") == "reduce-overhead":
+        if why != "optimizer":
+            raise ValueError(f"cuda_graphs={why!r} with mode='reduce-overhead', which replays each compiled graph "
+                             f"as a CUDA graph of its own: leave mode unset (or cuda_graphs at its default)")
+        kwargs.pop("mode")
+    if backend == "comera":
+        options = dict(kwargs.get("options") or {})
+        if options.get("cudagraphs") and why != "optimizer":
+            raise ValueError(f"cuda_graphs={why!r} with options={{'cudagraphs': True}}: the two disagree; drop "
+                             f"the option")
+        options["cudagraphs"] = False
+        kwargs["options"] = options
+    return kwargs

@@ -6,6 +6,7 @@ the cores for real.  docs/method.md section 4 states the rule and the measuremen
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -16,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import distributed as _dist
 from ..gauge import balance, canonicalize
+from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import check_retired, prefer_fast_implementation
 from ..optim_state import replace, rescale, restart
@@ -25,7 +27,16 @@ from .divergence import check_finite
 from .penalty import KINDS, penalty, proximal_step
 from .reports import Reports
 
-__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS"]
+__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "rank_adaptive_of"]
+
+# Each model's RankAdaptive (the latest made for it), for a captured training step that must know its stage.
+_BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def rank_adaptive_of(model: nn.Module) -> "RankAdaptive | None":
+    """The RankAdaptive last constructed on ``model``, if it is still alive."""
+    ref = _BY_MODEL.get(model)
+    return ref() if ref is not None else None
 
 # Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
 # small einsums per bond).
@@ -125,6 +136,7 @@ class RankAdaptive(Reports):
         self._on_reallocate: OrderedDict[int, Callable[[RankAdaptive], Any]] = OrderedDict()
         self._warned_unattached_cut = False
         self.history: list[_Record] = []
+        _BY_MODEL[model] = weakref.ref(self)
 
     @property
     def masks(self) -> dict[str, list[torch.Tensor]]:
@@ -143,7 +155,7 @@ class RankAdaptive(Reports):
         """The current stage's objective for this step's task loss, the penalty (as of the last step()) added
         as a value without gradient.  Needed only where that value is wanted: ``step(loss)`` records the task
         loss for the late stage as this does (and works where this cannot, inside a compiled region)."""
-        if self.late_stage_at is not None and not torch.compiler.is_compiling():
+        if self.late_stage_at is not None and not torch.compiler.is_compiling() and not capturing():
             self._last_loss = float(task_loss.detach())
         r = self._penalty_t.to(task_loss.dtype)
         if self.stage == "early":
@@ -153,6 +165,12 @@ class RankAdaptive(Reports):
         loss_gap = (task_loss.detach() - self.loss_target) / task_loss.detach()
         lam = (loss_gap < size_gap).to(task_loss.dtype)
         return task_loss + (0.01 + lam) * r
+
+    def graph_state(self) -> tuple:
+        """What ``loss()`` reads on the host: a step captured as a CUDA graph is captured anew when it changes
+        (once, at the late stage)."""
+        return (self.stage, self.gamma, self.size_target, self.loss_target, id(self._penalty_t),
+                id(self._alloc.size_t))
 
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:

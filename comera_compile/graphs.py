@@ -1,0 +1,234 @@
+"""The whole training step replayed as one CUDA graph: ``StepGraph`` (``compile_step(..., cuda_graphs="step")``).
+
+For each input signature the step first runs as it is (compiled pieces and all) for a few warm-up calls on a
+side stream, then one call is captured into a ``torch.cuda.CUDAGraph`` -- forward, loss, backward, optimizer
+step and zero_grad -- and from then on a call copies its batch into the graph's static input buffers and
+replays the graph: one graph launch per step.  Before every replay StepGraph checks what a captured graph
+bakes in -- the optimizer's parameters and state, its hyperparameters, train/eval mode, RankAdaptive's stage
+-- and captures anew where any changed (a rank re-allocation, ``optimizer.load_state_dict``, a changed
+weight decay), so no graph replays stale parameters.  Learning rates become 0-dim tensors on the device,
+which LR schedulers update in place, so a schedule needs no re-capture.
+
+The capture itself is the ``CudaGraphs`` object's; StepGraph's own logic (warm-up, static buffers, the checks,
+re-capture) runs on any device with another object of the same three methods, which the CPU tests use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "capturing", "check_capturable"]
+
+_CAPTURING = [False]
+
+
+def capturing() -> bool:
+    """True while StepGraph captures a step: code in the step must not read device values on the host then
+    (``float(t)``, ``.item()``), which a capture forbids and a replay would not repeat."""
+    return _CAPTURING[0]
+
+
+class GraphCapture(Protocol):
+    """How StepGraph runs warm-up calls, captures a call and replays it."""
+
+    def warmup(self, fn: Callable[[], Any]) -> Any: ...
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]: ...
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class CudaGraphs:
+    """torch.cuda.CUDAGraph as StepGraph uses it: warm-up calls on a side stream (as torch's capture needs),
+    captures that share one memory pool (one graph replays at a time), and replays."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        if device is None or device.type != "cuda":
+            raise ValueError(f"cuda_graphs='step' captures CUDA graphs: the model's parameters are on {device}; "
+                             f"move the model to a CUDA device, or leave cuda_graphs at its default")
+        self.device = device
+        self.pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def warmup(self, fn: Callable[[], Any]) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            out = fn()
+        current.wait_stream(self._stream)
+        return out
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+def check_capturable(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Raise ValueError, saying what to do, where the step cannot be captured as one CUDA graph."""
+    name = type(optimizer).__name__
+    if not any("capturable" in g for g in optimizer.param_groups) and not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(f"cuda_graphs='step' needs an optimizer whose step can run inside a CUDA graph (torch's "
+                         f"optimizers with a 'capturable' option, or SGD); {name} has none, so its step may read "
+                         f"device values on the host or keep counters in Python, which a replay would not "
+                         f"update.  Use cuda_graphs='compiled' (each compiled graph replayed by Inductor) with it")
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise ValueError("cuda_graphs='step' does not capture DistributedDataParallel's gradient all-reduce; use "
+                         "cuda_graphs='compiled' for a data-parallel model")
+    from .distributed import is_sharded
+
+    if any(is_sharded(p) for p in model.parameters()):
+        raise ValueError("cuda_graphs='step' does not capture FSDP2's collectives; use cuda_graphs='compiled' "
+                         "for a sharded model")
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Turn the groups' ``capturable`` on (moving existing step counters to their parameter's device) and make
+    float learning rates 0-dim tensors on the parameters' device: LR schedulers fill those in place, so a
+    captured step reads each new rate.  SGD has neither option: its rates are checked instead."""
+    from torch.optim.optimizer import _get_capturable_supported_devices
+
+    for group in optimizer.param_groups:
+        if "capturable" not in group or not group["params"]:
+            continue
+        device = group["params"][0].device
+        if not group["capturable"] and device.type in _get_capturable_supported_devices():
+            group["capturable"] = True
+            for p in group["params"]:
+                step = optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
+        # (torch takes a tensor rate in its capturable, fused and single-tensor implementations)
+        if isinstance(group.get("lr"), float) and (group["capturable"] or group.get("fused")
+                                                   or group.get("foreach") is False):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
+
+
+def _hyper(group: dict[str, Any]) -> tuple:
+    """A group's settings as a captured step sees them: tensors by identity, the rest by value."""
+    return tuple((k, id(v) if isinstance(v, torch.Tensor) else v) for k, v in group.items() if k != "params")
+
+
+@dataclass
+class _World:
+    """What a captured step bakes in besides its static inputs (compared before every replay)."""
+
+    params: list[torch.Tensor]
+    firsts: list[int]
+    state: Any
+    hyper: list[tuple]
+    extra: tuple
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    inputs: list[Any]
+    loss: torch.Tensor
+
+
+class StepGraph:
+    """``StepGraph(step, model, optimizer)(*batch)``: the training step ``step(*batch)`` (forward, loss,
+    backward, optimizer step, zero_grad with set_to_none; returns the detached loss) replayed as one CUDA graph.
+
+    ``warmup`` calls of each new input signature run the step as it is; the next is captured.  ``extra()``,
+    if given, returns more of what the step bakes in (RankAdaptive's stage): a change re-captures.  Counts:
+    ``captures`` (graphs captured so far), ``replays``, ``warmups``.  The loss returned is the step's own
+    tensor, not the graph's static output, so keeping it across steps is safe."""
+
+    def __init__(self, step: Callable[..., torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 warmup: int = 2, graphs: GraphCapture | None = None,
+                 extra: Callable[[], tuple] | None = None) -> None:
+        if warmup < 1:
+            raise ValueError(f"warmup must be at least 1 (the first call compiles), got {warmup}")
+        if graphs is None:
+            graphs = CudaGraphs(next((p.device for g in optimizer.param_groups for p in g["params"]), None))
+        check_capturable(optimizer, model)
+        make_capturable(optimizer)
+        self._step, self.model, self.optimizer = step, model, optimizer
+        self.warmup, self._graphs_api, self._extra = warmup, graphs, extra or (lambda: ())
+        self._graphs: dict[tuple, _Captured] = {}
+        self._warm: dict[tuple, int] = {}
+        self._world: _World | None = None
+        self.captures = self.replays = self.warmups = 0
+
+    def _same_world(self) -> bool:
+        w = self._world
+        if w is None:
+            return False
+        groups = self.optimizer.param_groups
+        params = itertools.chain.from_iterable(g["params"] for g in groups)
+        return (self.optimizer.state is w.state and sum(len(g["params"]) for g in groups) == len(w.params)
+                and all(map(operator.is_, params, w.params))
+                and [g["params"][0].data_ptr() if g["params"] else 0 for g in groups] == w.firsts
+                and [_hyper(g) for g in groups] == w.hyper and self._world_extra() == w.extra)
+
+    def _world_extra(self) -> tuple:
+        return (self.model.training, torch.is_grad_enabled(), *self._extra())
+
+    def _new_world(self) -> None:
+        make_capturable(self.optimizer)   # a re-allocation's new groups or a loaded state: tensors again
+        groups = self.optimizer.param_groups
+        self._world = _World([p for g in groups for p in g["params"]],
+                             [g["params"][0].data_ptr() if g["params"] else 0 for g in groups],
+                             self.optimizer.state, [_hyper(g) for g in groups], self._world_extra())
+        self._graphs.clear()   # their memory goes with them
+        self._warm.clear()
+
+    def __call__(self, *args: Any) -> torch.Tensor:
+        if not self._same_world():
+            self._new_world()
+        key = tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else ("value", a)
+                    for a in args)
+        entry = self._graphs.get(key)
+        if entry is None and self._warm.get(key, 0) >= self.warmup:
+            entry = self._capture(key, args)
+        if entry is None:
+            self._warm[key] = self._warm.get(key, 0) + 1
+            self.warmups += 1
+            return self._graphs_api.warmup(lambda: self._step(*args))
+        for static, a in zip(entry.inputs, args):
+            if isinstance(static, torch.Tensor):
+                static.copy_(a, non_blocking=True)
+        self._graphs_api.replay(entry.graph)
+        self.replays += 1
+        return entry.loss.clone()
+
+    def _capture(self, key: tuple, args: tuple) -> _Captured | None:
+        """Capture the step for this input signature (the capture runs nothing); None where the capture changed
+        what it must not (optimizer state created inside it, which every replay would create afresh): then
+        the call runs as one more warm-up."""
+        inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        for p in self._world.params:   # a captured backward must allocate the gradients, not add to them
+            p.grad = None
+        had_state = set(self.optimizer.state)
+        _CAPTURING[0] = True
+        try:
+            graph, loss = self._graphs_api.capture(lambda: self._step(*inputs))
+        finally:
+            _CAPTURING[0] = False
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"the captured step must return the loss tensor, got {type(loss).__name__}")
+        created = set(self.optimizer.state) - had_state
+        if created or not self._same_world():
+            for p in created:   # state the capture made with kernels it did not run: made again by a warm-up
+                del self.optimizer.state[p]
+            self._new_world()
+            return None
+        entry = self._graphs[key] = _Captured(graph, inputs, loss)
+        self.captures += 1
+        return entry

@@ -1,0 +1,291 @@
+"""The whole step as one CUDA graph (``compile_step(..., cuda_graphs="step")``, comera_compile.graphs), on the CPU.
+
+Everything but the capture runs here: warm-up, static input buffers, the checks before each replay, the new
+captures.  The capture is simulated by ``SimulatedGraphs``, which keeps CUDA graph semantics strictly: a
+capture runs no kernel (the step runs and is undone), a replay re-runs the captured work on the tensors the
+capture saw and writes the captured loss tensor; and every replay first checks, on its own, that nothing a
+real graph bakes in has changed since the capture, failing the test where a real graph would replay stale
+parameters or settings.  References are eager training loops, step for step.  The CUDA side (a real
+capture, launches counted by the profiler) is tests/test_device.py's.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile import graphs
+from comera_compile.optim import param_groups
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class StaleReplay(AssertionError):
+    pass
+
+
+class SimulatedGraphs:
+    """CUDA graph semantics on the CPU (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ra=None) -> None:
+        self.model, self.optimizer, self.ra = model, optimizer, ra
+        self.captured = 0
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _baked(self) -> dict:
+        """What a captured graph holds fixed: tensor addresses, and every value the step reads on the host."""
+        opt = self.optimizer
+        state = [(id(p), sorted((k, id(v), v.data_ptr()) if torch.is_tensor(v) else (k, None, v)
+                                for k, v in opt.state[p].items())) for p in self._params() if p in opt.state]
+        hyper = [sorted((k, ("tensor", id(v)) if torch.is_tensor(v) else v) for k, v in g.items() if k != "params")
+                 for g in opt.param_groups]
+        ra = self.ra
+        return {"params": [(id(p), p.data_ptr(), tuple(p.shape)) for p in self._params()], "state": state,
+                "hyper": hyper, "training": [m.training for m in self.model.modules()],
+                "ra": None if ra is None else (ra.stage, ra.gamma, ra.size_target, ra.loss_target)}
+
+    def warmup(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        assert all(p.grad is None for p in self._params()), \
+            "captured with gradients set: every replay would add to them"
+        baked = self._baked()
+        opt = self.optimizer
+        saved_params = [p.detach().clone() for p in self._params()]
+        saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                       for p, s in opt.state.items()}
+        rng = torch.get_rng_state()
+        out = fn()
+        with torch.no_grad():   # a real capture runs no kernel: undo what the step did
+            for p, s in zip(self._params(), saved_params):
+                p.copy_(s)
+            for p in list(opt.state):
+                if p not in saved_state:
+                    del opt.state[p]
+                    continue
+                for k, v in saved_state[p].items():
+                    if torch.is_tensor(v):
+                        opt.state[p][k].copy_(v)
+        torch.set_rng_state(rng)
+        self.captured += 1
+        return {"fn": fn, "out": out, "baked": baked}, out
+
+    def replay(self, graph) -> None:
+        now = self._baked()
+        for what in now:
+            if now[what] != graph["baked"][what]:
+                raise StaleReplay(f"a real CUDA graph would replay stale {what}")
+        out = graph["fn"]()
+        with torch.no_grad():
+            graph["out"].copy_(out)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.norm(self.up(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _net(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return cc.tensorize(Net(), rank=4, min_features=16)
+
+
+def _batches(n: int, rows=(12,)):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(rows[i % len(rows)], 16, generator=g),
+             torch.randint(0, 5, (rows[i % len(rows)],), generator=g)) for i in range(n)]
+
+
+def _captured_step(monkeypatch, model, opt, ra=None, **kwargs):
+    """compile_step(cuda_graphs="step") on the CPU, its graphs simulated."""
+    sim = SimulatedGraphs(model, opt, ra)
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+    kwargs.setdefault("backend", "eager")
+    return cc.compile_step(model, nn.CrossEntropyLoss(), opt, cuda_graphs="step", **kwargs), sim
+
+
+def _eager_step(model, opt):
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def _assert_same_params(model, ref):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("backend", ["eager", "comera"])
+def test_whole_step_trains_as_the_eager_loop_under_a_schedule(monkeypatch, backend):
+    """Two warm-up calls, one capture, replays for the rest: the losses and parameters of an eager AdamW loop
+    with the same cosine schedule, step for step (the rate is a tensor the scheduler fills: no new capture)."""
+    batches = _batches(8)
+    ref = _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
+    ref_sched = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=8)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
+    step, sim = _captured_step(monkeypatch, model, opt, backend=backend)
+    eager = _eager_step(ref, ref_opt)
+    losses, ref_losses = [], []
+    for x, y in batches:
+        losses.append(step(x, y))
+        ref_losses.append(eager(x, y))
+        sched.step()
+        ref_sched.step()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    g = step.graph
+    assert (g.warmups, g.captures, g.replays) == (2, 1, 6) and sim.captured == 1
+    assert all(p.grad is None for p in model.parameters())
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)   # (capturable too, on CUDA)
+
+
+def test_each_batch_shape_is_captured_once(monkeypatch):
+    batches = _batches(14, rows=(12, 7))
+    ref = _net()
+    ref_opt = torch.optim.AdamW(param_groups(ref, lr=1e-3))
+    model = _net()
+    opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+    step, _ = _captured_step(monkeypatch, model, opt)
+    eager = _eager_step(ref, ref_opt)
+    losses = [step(x, y) for x, y in batches]
+    ref_losses = [eager(x, y) for x, y in batches]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (4, 2, 10)
+
+
+def test_rank_reallocation_and_the_late_stage_capture_anew(monkeypatch):
+    """The late stage (from step 10) changes the loss and its pruning toward the size target cuts the cores
+    (new Parameters, at step 12): each makes the step warm up and capture anew, and the run matches an eager
+    loop cut the same way, loss for loss."""
+    batches = _batches(16)
+
+    def run(captured: bool):
+        model = _net()
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=4, realloc_at=1.0, late_stage_at=10,
+                             target_ratio=0.9)
+        loss_fn = lambda out, y: ra.loss(F.cross_entropy(out, y))  # noqa: E731
+        if captured:
+            sim = SimulatedGraphs(model, opt, ra)
+            monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+            step = cc.compile_step(model, loss_fn, opt, backend="eager", cuda_graphs="step", rank_adaptive=ra)
+        losses, captures = [], []
+        for i, (x, y) in enumerate(batches):
+            if captured:
+                loss = step(x, y)
+                captures.append(step.graph.captures)
+            else:
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss = loss.detach()
+                ra.step(loss)
+            losses.append(float(loss))
+            if i == 2:   # a slice nearly off in every layer: the late stage prunes it first
+                with torch.no_grad():
+                    for layer in ra.layers.values():
+                        layer.gates[0][0] = 0.0
+        return losses, ra, captures
+
+    losses, ra, captures = run(True)
+    ref_losses, ref_ra, _ = run(False)
+    assert ra.cuts == ref_ra.cuts == 1 and ra.ranks() == ref_ra.ranks() and ra.stage == ref_ra.stage == "late"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+    # captured at step 3, replayed to step 10; steps 11-12 warm up for the late stage, 13-14 for the cut
+    assert captures == [0, 0] + [1] * 12 + [2, 2], str(captures)
+
+
+def test_changed_settings_state_and_mode_capture_anew(monkeypatch):
+    """A changed weight decay (read on the host), a loaded optimizer state (new tensors) and eval() mode are
+    each a new capture, never a stale replay."""
+    batches = _batches(16)
+    ref = _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step, _ = _captured_step(monkeypatch, model, opt)
+    eager = _eager_step(ref, ref_opt)
+    losses, ref_losses = [], []
+    for i, (x, y) in enumerate(batches):
+        if i == 4:
+            opt.param_groups[0]["weight_decay"] = ref_opt.param_groups[0]["weight_decay"] = 0.1
+        if i == 8:
+            saved = copy.deepcopy(ref_opt.state_dict())
+            opt.load_state_dict(copy.deepcopy(saved))
+            ref_opt.load_state_dict(saved)
+        if i == 12:
+            model.eval()
+            ref.eval()
+        losses.append(step(x, y))
+        ref_losses.append(eager(x, y))
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert step.graph.captures == 4
+
+
+def test_the_simulated_graph_catches_a_replay_that_skipped_its_checks(monkeypatch):
+    """The checks are what keeps replays fresh: with them skipped, a changed setting replays stale."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step, _ = _captured_step(monkeypatch, model, opt)
+    batches = _batches(5)
+    for x, y in batches[:4]:
+        step(x, y)
+    monkeypatch.setattr(graphs.StepGraph, "_same_world", lambda self: True)
+    opt.param_groups[0]["weight_decay"] = 0.5
+    with pytest.raises(StaleReplay):
+        step(*batches[4])
+
+
+def test_whole_step_errors_say_what_to_do(monkeypatch):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters())
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match="CUDA device"):
+        cc.compile_step(model, loss_fn, opt, backend="eager", cuda_graphs="step")
+    with pytest.raises(ValueError, match="cuda_graphs='compiled'"):
+        cc.compile_step(model, loss_fn, torch.optim.LBFGS(model.parameters()), backend="eager", cuda_graphs="step")
+    with pytest.raises(ValueError, match="mode"):
+        cc.compile_step(model, loss_fn, opt, backend="inductor", mode="reduce-overhead", cuda_graphs="step")
+    with pytest.raises(ValueError, match="cuda_graphs="):
+        cc.compile_step(model, loss_fn, opt, cuda_graphs="whole")
+    with pytest.raises(ValueError, match="DistributedDataParallel"):
+        cc.compile_step(nn.DataParallel(model), loss_fn, opt, backend="eager", cuda_graphs="step")
+    assert not any(isinstance(g.get("lr"), torch.Tensor) for g in opt.param_groups), "a refused step changed nothing"
