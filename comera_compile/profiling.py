@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["profile", "LayerTime", "LayerProfile", "name_layers", "split_by_layer"]
+__all__ = ["profile", "LayerTime", "LayerProfile", "name_layers", "split_by_layer", "launches_per_step"]
 
 _PREFIX = "comera."
 _BACKWARD = "autograd::engine::evaluate_function: "
@@ -254,3 +254,39 @@ class _Part(nn.Module):
         else:
             out = fn(*args)
         return out[0] if self.single else out
+
+
+_KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+                    "cudaLaunchCooperativeKernel", "cudaLaunchCooperativeKernelMultiDevice")
+_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
+
+
+def launches_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
+    """What one call of ``step()`` asks of the GPU, from the CUDA runtime and driver calls torch's profiler
+    records: ``kernels`` (kernel launches from the host, each one a launch gap), ``graphs`` (CUDA graph
+    launches: their kernels cost no launch each), ``copies`` (memcpy/memset calls) and ``device_kernels``
+    (kernels that ran on the GPU, inside graphs included), averaged over ``steps`` calls.  Warm the step up
+    first: compiles and captures would be counted.  All zero without CUDA."""
+    counts = {"kernels": 0.0, "graphs": 0.0, "copies": 0.0, "device_kernels": 0.0}
+    if not torch.cuda.is_available():
+        return counts
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    for event in prof.events():
+        name = event.name
+        if name in _KERNEL_LAUNCHES:
+            counts["kernels"] += 1
+        elif name in _GRAPH_LAUNCHES:
+            counts["graphs"] += 1
+        elif name.startswith(("cudaMemcpy", "cuMemcpy", "cudaMemset", "cuMemset")):
+            counts["copies"] += 1
+        elif event.device_type == DeviceType.CUDA and not name.startswith(("Memcpy", "Memset")):
+            counts["device_kernels"] += 1
+    return {k: v / steps for k, v in counts.items()}

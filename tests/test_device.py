@@ -199,54 +199,122 @@ def _batch(device: torch.device, rows: int, seed: int = 1):
 
 
 def test_backend_replays_recorded_cuda_graphs_one_recording_per_shape(device):
+    """A loop as users write it -- forward, backward, gradients cleared -- records once per shape and replays
+    after that.  (Without clearing, the gradients would add up in memory the next replay overwrites:
+    test_gradients_added_across_replays_are_right_or_an_error.)"""
     needs_cuda(device, "CUDA Graph trees")
     model = _tensorized_net(device)
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend="comera")
     a, b = _batch(device, 16)[0], _batch(device, 24)[0]
+
+    def train(x):
+        compiled(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+
     with CudaGraphCaptures() as captures:
         for _ in range(3):   # Inductor's graph trees warm up once, record on the next call
-            compiled(a).sum().backward()
+            train(a)
         after_a = captures.count
         for _ in range(5):
-            compiled(a).sum().backward()
+            train(a)
         assert captures.count == after_a, "steady steps must replay, not record"
         for _ in range(3):   # a second shape (dynamo may recompile for it, and a's graph with it)
-            compiled(b).sum().backward()
-            compiled(a).sum().backward()
+            train(b)
+            train(a)
         after_b = captures.count
         for _ in range(3):
-            compiled(a).sum().backward()
-            compiled(b).sum().backward()
+            train(a)
+            train(b)
         assert captures.count == after_b, "every shape seen replays its recording"
     assert after_a > 0 and after_b > after_a
     assert captures.skips == 0
     torch.testing.assert_close(compiled(a), eager(a), rtol=1e-4, atol=1e-5)
 
 
-def test_compile_step_with_the_optimizer_inside_the_replay(device):
-    """compile_step at its defaults on CUDA compiles the optimizer step into the replayed graphs too; on the
-    CPU the same path runs with compile_optimizer=True.  Either way it trains as eager AdamW steps do."""
+def test_gradients_added_across_replays_are_right_or_an_error(device):
+    """Gradients left uncleared across calls (accumulation over micro-batches) under CUDA Graph trees: the
+    .grad tensors are the previous replay's memory, so torch either adds correctly or raises; a wrong sum
+    would be the silent failure.  compile_step's whole-step graph and cuda_graphs="off" accumulate freely."""
+    needs_cuda(device, "CUDA Graph trees")
+    model = _tensorized_net(device)
+    ref = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="comera")
+    batches = [_batch(device, 16, seed=s)[0] for s in range(4)]
+    try:
+        for x in batches:
+            compiled(x).sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+    except RuntimeError as e:
+        assert "overwritten" in str(e), e
+        return
+    for x in batches:
+        ref(x).sum().backward()
+    for g, p in zip(grads, ref.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("graphs", ["compiled", "step", "off"])
+@pytest.mark.parametrize("groups", ["plain", "param_groups"])
+def test_compile_step_trains_as_eager_adamw_in_every_cuda_graph_mode(device, graphs, groups):
+    """compile_step with a plain AdamW(model.parameters()) or CoMERA's param_groups, in each cuda_graphs mode,
+    trains as eager AdamW steps do; the losses it returned all stay readable (none is CUDA Graph memory a
+    later replay overwrote).  On CUDA: "compiled" records its graphs once and then replays; "step" captures
+    once, after its warm-up."""
+    if graphs == "step":
+        needs_cuda(device, "a captured CUDA graph")
     x, target = _batch(device, 32)
     loss_fn = nn.CrossEntropyLoss()
+
+    def optimizer(m):
+        return torch.optim.AdamW(m.parameters() if groups == "plain" else param_groups(m, lr=1e-3), lr=1e-3,
+                                 weight_decay=0.0)
+
     eager = _tensorized_net(device)
-    opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.0)
-    for _ in range(6):
-        loss_fn(eager(x), target).backward()
+    opt = optimizer(eager)
+    ref_losses = []
+    for _ in range(8):
+        loss = loss_fn(eager(x), target)
+        ref_losses.append(loss.detach())
+        loss.backward()
         opt.step()
         opt.zero_grad()
     model = _tensorized_net(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    step = cc.compile_step(model, loss_fn, opt, compile_optimizer=None if device.type == "cuda" else True)
+    step = cc.compile_step(model, loss_fn, optimizer(model), cuda_graphs=graphs)
     with CudaGraphCaptures() as captures:
-        losses = [step(x, target) for _ in range(3)]
+        losses = [step(x, target) for _ in range(4)]
         recorded = captures.count
-        losses += [step(x, target) for _ in range(3)]
-    if device.type == "cuda":
-        assert recorded > 0 and captures.count == recorded and captures.skips == 0
-    assert losses[-1] < losses[0]
+        losses += [step(x, target) for _ in range(4)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+    if device.type == "cuda" and graphs != "off":
+        assert recorded > 0 and captures.count == recorded and captures.skips == 0
+    if graphs == "step":
+        assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 6)
+
+
+def test_whole_step_graph_is_one_launch_per_step(device):
+    """cuda_graphs="step": one CUDA graph launch per step and no kernel launched on its own, the batch copied
+    into the static inputs and the loss out (torch's profiler counts the CUDA runtime calls); "compiled"
+    launches the eager parts' kernels one by one."""
+    from comera_compile.profiling import launches_per_step
+
+    needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 32)
+    counts = {}
+    for graphs in ("step", "compiled"):
+        model = _tensorized_net(device)
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters()),
+                               cuda_graphs=graphs)
+        for _ in range(5):
+            step(x, target)
+        counts[graphs] = launches_per_step(lambda: step(x, target))
+    whole = counts["step"]
+    assert whole["graphs"] == 1, counts
+    assert whole["kernels"] <= 1, counts   # at most the loss's copy out, where it is a kernel
+    assert whole["device_kernels"] > 10, counts   # the step's kernels ran, inside the graph
+    assert counts["compiled"]["kernels"] > 10 * max(whole["kernels"], 1), counts
 
 
 def test_hash_dropout_keep_rate_and_mask_agreement(device):
@@ -295,10 +363,13 @@ def test_tempo_ops_against_the_plain_torch_ops(device):
             torch.testing.assert_close(g.grad, r.grad, rtol=1e-4, atol=1e-4, msg=name)
 
 
-def test_rank_reallocation_under_cuda_graphs_records_once_and_runs_the_new_shapes(device):
+@pytest.mark.parametrize("graphs", ["compiled", "step"])
+def test_rank_reallocation_under_cuda_graphs_records_once_and_runs_the_new_shapes(device, graphs):
     """A RankAdaptive cut mid-run makes new, smaller Parameters: the compiled step recompiles and records
     once for them, then replays; no graph of the old shapes runs again (the losses match an eager model cut
-    the same way, step for step)."""
+    the same way, step for step).  The whole-step graph is captured anew after its warm-up."""
+    if graphs == "step":
+        needs_cuda(device, "a captured CUDA graph")
     x, target = _batch(device, 32)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -307,7 +378,7 @@ def test_rank_reallocation_under_cuda_graphs_records_once_and_runs_the_new_shape
         opt = torch.optim.AdamW(param_groups(model, lr=1e-3), weight_decay=0.0)
         ra = cc.RankAdaptive(model, optimizer=opt, cut_every=4, realloc_at=1.0)
         step = cc.compile_step(model, lambda out, t: ra.loss(loss_fn(out, t)), opt,
-                               compile_optimizer=None if device.type == "cuda" else True) if compiled else None
+                               cuda_graphs=graphs) if compiled else None
         losses, counts, cuts = [], [], []
         with CudaGraphCaptures() as captures:
             for i in range(12):
