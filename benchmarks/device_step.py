@@ -6,15 +6,17 @@ bfloat16 autocast.  Variants, all in one process:
 - dense under torch.compile (Inductor; mode "reduce-overhead" on CUDA, i.e. CUDA Graphs: the fair dense
   baseline on a GPU), through the same cc.compile_step as CoMERA (regional blocks, optimizer compiled);
 - GaLore (dense + GaLore's AdamW, rank 128 projections of the encoder weights), eager;
-- CoMERA: tensorized, cc.compile_step with backend "comera" (CUDA Graphs on), then the same with CUDA
-  Graphs off (option cudagraphs=False), then the same with every TT linear layer contracted in the
+- CoMERA: tensorized, cc.compile_step with backend "comera": its default (each compiled block replayed by
+  Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step captured as one CUDA graph
+  (cuda_graphs="step"), CUDA Graphs off, and the default with every TT linear layer contracted in the
   reference implementation's fixed order.
 
 First, each variant alone: its first call (compiles included, in this process: later variants find
 Inductor's caches warmer) and its peak device memory over its first three steps (the steps that record
 CUDA Graphs, whose memory pool the replays reuse): torch.cuda.max_memory_allocated above what was
 allocated before, plus the variant's own parameters.  Then step times, interleaved across the variants,
-medians after warm-up, from CUDA events (on the CPU: the host clock).
+medians after warm-up, from CUDA events (on the CPU: the host clock); on CUDA last, each variant's kernel
+and graph launches per step (profiling.launches_per_step).
 
 ``comera-compile bench --device cuda`` runs this with the embedding and TT-linear benches; ``--device cpu``
 runs the same code paths at reduced sizes on the CPU (no memory figures there: CPU memory is not
@@ -37,7 +39,7 @@ from comera_compile.examples import six_encoder
 from .common import eager_step
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order
 
-__all__ = ["run", "format_rows", "device_compare", "step_peak_bytes", "precision", "PRECISIONS"]
+__all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS"]
 
 MIB = 2.0**20
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -155,14 +157,15 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
     def tensorized() -> nn.Module:
         return cc.tensorize(copy_of(dense), preset="comera-six-encoder", inplace=True)
 
-    for name, backend, options in (("CoMERA", "comera", None),
-                                   ("CoMERA, CUDA Graphs off", "comera", {"cudagraphs": False}),
-                                   ("CoMERA, fixed order", _comera_fixed_order, None)):
-        if name == "CoMERA, CUDA Graphs off" and not cuda:
+    for name, backend, graphs in (("CoMERA", "comera", None),
+                                  ("CoMERA, whole-step graph", "comera", "step"),
+                                  ("CoMERA, CUDA Graphs off", "comera", "off"),
+                                  ("CoMERA, fixed order", _comera_fixed_order, None)):
+        if graphs is not None and not cuda:
             continue   # the same graphs as "CoMERA" where there are no CUDA Graphs
         m = tensorized()
         opt = adamw(m)
-        step = cc.compile_step(m, loss_fn, opt, backend=backend, options=options, autocast=dtype)
+        step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype)
         out[name] = (m, opt, _in_fixed_order(step) if name.endswith("fixed order") else step)
     return out
 
@@ -194,16 +197,26 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
         ms = device_compare({k: (lambda s=s: s(*args)) for k, (_, _, s) in variants.items()}, device,
                             warmup=2, repeat=3 if quick else 20)
         row.update({f"{k} ms": v for k, v in ms.items()})
-    comera = ms["CoMERA"]
+        if device.type == "cuda":
+            from comera_compile.profiling import launches_per_step
+
+            for name, (_, _, step) in variants.items():
+                n = launches_per_step(lambda s=step: s(*args), steps=3)
+                row[f"{name} launches"] = n["kernels"] + n["graphs"]
+    comera = min(v for k, v in ms.items() if k.startswith("CoMERA") and k != "CoMERA, fixed order")
+    row["best CoMERA"] = min((k for k in ms if k.startswith("CoMERA") and k != "CoMERA, fixed order"),
+                             key=ms.__getitem__)
     row["CoMERA vs dense compiled"] = ms["dense compiled"] / comera
     row["CoMERA vs dense eager"] = ms["dense eager"] / comera
     if "GaLore" in ms:
         row["CoMERA vs GaLore"] = ms["GaLore"] / comera
         if "GaLore MiB" in row:
             row["GaLore / CoMERA memory"] = row["GaLore MiB"] / row["CoMERA MiB"]
-    if "CoMERA, CUDA Graphs off" in ms:
-        row["CUDA Graphs on vs off"] = ms["CoMERA, CUDA Graphs off"] / comera
-    row["CoMERA vs fixed order"] = ms["CoMERA, fixed order"] / comera
+    if "CoMERA, whole-step graph" in ms:
+        row["whole-step vs per-block graphs"] = ms["CoMERA"] / ms["CoMERA, whole-step graph"]
+        row["whole-step graph vs graphs off"] = ms["CoMERA, CUDA Graphs off"] / ms["CoMERA, whole-step graph"]
+        row["per-block graphs vs graphs off"] = ms["CoMERA, CUDA Graphs off"] / ms["CoMERA"]
+    row["fixed order vs ours"] = ms["CoMERA, fixed order"] / ms["CoMERA"]
     row["dense params"] = sum(p.numel() for p in variants["dense eager"][0].parameters())
     row["CoMERA params"] = sum(p.numel() for p in variants["CoMERA"][0].parameters())
     del variants
@@ -240,7 +253,17 @@ def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple
         batches = ((1, 8) if quick else (1, 8, 32)) if cuda else (1, 2)
     seq = seq if seq is not None else (128 if cuda else 32)
     layers = layers if layers is not None else ((2 if quick else 6) if cuda else 1)
-    return [step_row(b, seq, layers, device, p, quick or not cuda) for p in precisions for b in batches]
+    # GaLore at batch 1 only: its own claim (2x slower, 9x more memory than CoMERA) is at batch 1
+    return [step_row(b, seq, layers, device, p, quick or not cuda, galore=b == min(batches))
+            for p in precisions for b in batches]
+
+
+RATIO_KEYS = ("CoMERA vs", "whole-step", "per-block", "fixed order vs", "GaLore /")
+
+
+def ratio_text(row: dict) -> str:
+    """The row's ratios, "name 1.23x" each (above 1: the first named is faster or smaller)."""
+    return ", ".join(f"{k} {row[k]:.2f}x" for k in row if k.startswith(RATIO_KEYS))
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -250,17 +273,27 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['benchmark']} on {r['device']}:")
         for n in names:
             mem = f", peak {r[n + ' MiB']:.1f} MiB" if f"{n} MiB" in r else ""
-            lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}, first call {r[n + ' first s']:.1f} s")
-        ratios = ", ".join(f"{k} {r[k]:.2f}x" for k in r if k.startswith(("CoMERA vs", "CUDA Graphs", "GaLore /")))
-        lines.append(f"  {ratios}; params {r['dense params']:,} -> {r['CoMERA params']:,}")
+            launches = f", {r[n + ' launches']:.0f} launches" if f"{n} launches" in r else ""
+            lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}{launches}, first call {r[n + ' first s']:.1f} s")
+        lines.append(f"  {ratio_text(r)}; best CoMERA: {r['best CoMERA']}; "
+                     f"params {r['dense params']:,} -> {r['CoMERA params']:,}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     import argparse
+    import json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(PRECISIONS))
+    p.add_argument("--batches", nargs="+", type=int, default=None, help="batch sizes (default: 1 8 32 on CUDA)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args()
-    print(format_rows(run(quick=args.quick, device=args.device)))
+    rows = run(quick=args.quick, device=args.device, batches=tuple(args.batches) if args.batches else None,
+               precisions=tuple(args.precisions))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+    print(format_rows(rows))

@@ -107,15 +107,17 @@ def report_markdown(report: dict[str, Any]) -> str:
         for row in block["rows"]:
             variants = [k[:-3] for k in row if k.endswith(" ms")]
             if "precision" in row:   # the device step: one table per batch and precision
+                from .device_step import RATIO_KEYS
+
                 lines += [f"### {row['benchmark']} ({row['device']})", "",
-                          "| variant | step ms (median) | peak MiB | first call s |", "| --- | ---: | ---: | ---: |"]
+                          "| variant | step ms (median) | launches per step | peak MiB | first call s |",
+                          "| --- | ---: | ---: | ---: | ---: |"]
                 for v in variants:
-                    mem = row.get(f"{v} MiB")
-                    lines.append(f"| {v} | {row[v + ' ms']:.2f} | {'-' if mem is None else f'{mem:.1f}'} | "
-                                 f"{row[v + ' first s']:.1f} |")
-                ratios = [f"{k} **{row[k]:.2f}x**" for k in row
-                          if k.startswith(("CoMERA vs", "CUDA Graphs", "GaLore /"))]
-                lines += ["", "; ".join(ratios) + ".", ""]
+                    mem, launches = row.get(f"{v} MiB"), row.get(f"{v} launches")
+                    lines.append(f"| {v} | {row[v + ' ms']:.2f} | {'-' if launches is None else f'{launches:.0f}'} | "
+                                 f"{'-' if mem is None else f'{mem:.1f}'} | {row[v + ' first s']:.1f} |")
+                ratios = [f"{k} **{row[k]:.2f}x**" for k in row if k.startswith(RATIO_KEYS)]
+                lines += ["", "; ".join(ratios) + f" (best CoMERA: {row.get('best CoMERA')}).", ""]
                 if row.get("note"):
                     lines += [row["note"], ""]
             else:

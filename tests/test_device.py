@@ -235,7 +235,8 @@ def test_backend_replays_recorded_cuda_graphs_one_recording_per_shape(device):
 def test_gradients_added_across_replays_are_right_or_an_error(device):
     """Gradients left uncleared across calls (accumulation over micro-batches) under CUDA Graph trees: the
     .grad tensors are the previous replay's memory, so torch either adds correctly or raises; a wrong sum
-    would be the silent failure.  compile_step's whole-step graph and cuda_graphs="off" accumulate freely."""
+    would be the silent failure.  (compile_step clears the gradients every step; options={"cudagraphs": False}
+    accumulates as eager autograd does.)"""
     needs_cuda(device, "CUDA Graph trees")
     model = _tensorized_net(device)
     ref = copy.deepcopy(model)
