@@ -12,6 +12,7 @@ TORCH_VENVS ?= $(HOME)/.cache/comera-compile/venvs
 GPU_PYTHON ?= python3
 GPU_DEVICE ?= cuda
 GPU_REPORT ?= gpu-check
+GPU_ARGS ?=
 
 .PHONY: install test test-slow test-device test-torch gpu-check demo inspect bench bench-quick clean
 
@@ -39,7 +40,7 @@ test-torch:
 gpu-check:  # wheels in .whl/ (galore-torch, bitsandbytes, ...) are installed first, from disk
 	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
-	$(GPU_PYTHON) -m comera_compile.benchmarks.gpu_check --device $(GPU_DEVICE) --out $(GPU_REPORT)
+	$(GPU_PYTHON) -m comera_compile.benchmarks.gpu_check --device $(GPU_DEVICE) --out $(GPU_REPORT) $(GPU_ARGS)
 
 test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
 	$(PY) -m pytest -m slow -q || test $$? -eq 5

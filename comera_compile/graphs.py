@@ -35,7 +35,8 @@ def capturing() -> bool:
 
 
 class GraphCapture(Protocol):
-    """How StepGraph runs warm-up calls, captures a call and replays it."""
+    """How StepGraph runs warm-up calls, captures a call and replays it (and, if it has ``reset()``, is told
+    that every graph it captured was dropped)."""
 
     def warmup(self, fn: Callable[[], Any]) -> Any: ...
 
@@ -76,6 +77,10 @@ class CudaGraphs:
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def reset(self) -> None:
+        """The graphs were dropped: the next capture starts a pool of its own."""
+        self.pool = None
 
 
 def check_capturable(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
@@ -188,6 +193,9 @@ class StepGraph:
                              self.optimizer.state, [_hyper(g) for g in groups], self._world_extra())
         self._graphs.clear()   # their memory goes with them
         self._warm.clear()
+        reset = getattr(self._graphs_api, "reset", None)
+        if reset is not None:
+            reset()
 
     def __call__(self, *args: Any) -> torch.Tensor:
         if not self._same_world():

@@ -157,11 +157,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
 
     if whole:
         from comera_compile.graphs import StepGraph
-        from comera_compile.rank_adaptive import rank_adaptive_of
+        from comera_compile.rank_adaptive import host_state, rank_adaptive_of
 
         ra = rank_adaptive if rank_adaptive is not None else rank_adaptive_of(model)
         graph = StepGraph(run, model, optimizer, warmup=warmup, graphs=capture,
-                          extra=(lambda: ra.graph_state()) if ra is not None else None)
+                          extra=(lambda: host_state(ra)) if ra is not None else None)
         inner: Callable[..., torch.Tensor] = graph
     else:
         graph, inner = None, run

@@ -6,6 +6,6 @@ trains them toward zero, and rank slices cut out of the cores for real.  One con
 from __future__ import annotations
 
 from .divergence import DIVERGED_GROWTH
-from .schedule import BALANCE_EVERY, REBUILD_STEPS, RankAdaptive, _Record, rank_adaptive_of  # noqa: F401  (_Record: checkpoints)
+from .schedule import BALANCE_EVERY, REBUILD_STEPS, RankAdaptive, _Record, host_state, rank_adaptive_of  # noqa: F401  (_Record: checkpoints)
 
-__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "DIVERGED_GROWTH", "rank_adaptive_of"]
+__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "DIVERGED_GROWTH", "rank_adaptive_of", "host_state"]

@@ -27,7 +27,7 @@ from .divergence import check_finite
 from .penalty import KINDS, penalty, proximal_step
 from .reports import Reports
 
-__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "rank_adaptive_of"]
+__all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "rank_adaptive_of", "host_state"]
 
 # Each model's RankAdaptive (the latest made for it), for a captured training step that must know its stage.
 _BY_MODEL: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
@@ -37,6 +37,12 @@ def rank_adaptive_of(model: nn.Module) -> "RankAdaptive | None":
     """The RankAdaptive last constructed on ``model``, if it is still alive."""
     ref = _BY_MODEL.get(model)
     return ref() if ref is not None else None
+
+
+def host_state(ra: "RankAdaptive") -> tuple:
+    """What ``ra.loss()`` reads on the host (the stage, its weights and targets, which tensors): a step
+    captured as a CUDA graph is captured anew when it changes (once, at the late stage)."""
+    return (ra.stage, ra.gamma, ra.size_target, ra.loss_target, id(ra._penalty_t), id(ra._alloc.size_t))
 
 # Steps between re-balancings of the gauge (it drifts little in a few optimizer steps; each costs a few
 # small einsums per bond).
@@ -120,7 +126,7 @@ class RankAdaptive(Reports):
             self.attach(optimizer)
         self.prox_lr, self.share_allocation = float(prox_lr), bool(share_allocation)
         self.penalty_kind, self.pull_below = penalty, float(pull_below)
-        self.steps, self.stage, self.cuts = 0, "early", 0
+        self.steps, self.stage, self.cuts, self._warned_unattached_cut = 0, "early", 0, False
         self.size_target: float | None = None
         self.loss_target: float | None = None
         self._last_loss: float | None = None
@@ -134,7 +140,6 @@ class RankAdaptive(Reports):
         self._penalty_t = torch.ones((), dtype=first.dtype, device=device)  # penalty() after the last step
         self._norms: dict[str, tuple[int, float]] = {}   # each layer's weight norm at the last check
         self._on_reallocate: OrderedDict[int, Callable[[RankAdaptive], Any]] = OrderedDict()
-        self._warned_unattached_cut = False
         self.history: list[_Record] = []
         _BY_MODEL[model] = weakref.ref(self)
 
@@ -165,12 +170,6 @@ class RankAdaptive(Reports):
         loss_gap = (task_loss.detach() - self.loss_target) / task_loss.detach()
         lam = (loss_gap < size_gap).to(task_loss.dtype)
         return task_loss + (0.01 + lam) * r
-
-    def graph_state(self) -> tuple:
-        """What ``loss()`` reads on the host: a step captured as a CUDA graph is captured anew when it changes
-        (once, at the late stage)."""
-        return (self.stage, self.gamma, self.size_target, self.loss_target, id(self._penalty_t),
-                id(self._alloc.size_t))
 
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
