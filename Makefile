@@ -13,6 +13,8 @@ GPU_PYTHON ?= python3
 GPU_DEVICE ?= cuda
 GPU_REPORT ?= gpu-check
 GPU_ARGS ?=
+# make test: pytest-xdist workers (2: the CI machine's cores; each takes its share of torch's threads)
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-slow test-device test-torch gpu-check demo inspect bench bench-quick clean
 
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -m "not slow" -q
+	$(PY) -m pytest -m "not slow" -q -n $(TEST_WORKERS)
 
 test-device: $(STAMP)  # the tests marked cuda, their code paths on the CPU
 	$(PY) -m pytest -m cuda --device cpu -q

@@ -105,13 +105,16 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Turn the groups' ``capturable`` on (moving existing step counters to their parameter's device) and make
     float learning rates 0-dim tensors on the parameters' device: LR schedulers fill those in place, so a
     captured step reads each new rate.  SGD has neither option: its rates are checked instead."""
-    from torch.optim.optimizer import _get_capturable_supported_devices
-
+    try:
+        from torch.optim.optimizer import _get_capturable_supported_devices
+        supported = _get_capturable_supported_devices()
+    except ImportError:   # a release without the helper: CUDA is the device capturable steps run on
+        supported = ["cuda"]
     for group in optimizer.param_groups:
         if "capturable" not in group or not group["params"]:
             continue
         device = group["params"][0].device
-        if not group["capturable"] and device.type in _get_capturable_supported_devices():
+        if not group["capturable"] and device.type in supported:
             group["capturable"] = True
             for p in group["params"]:
                 step = optimizer.state.get(p, {}).get("step")

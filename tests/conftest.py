@@ -2,8 +2,18 @@
 ``--device`` names (default cuda, skipped cleanly where none is present; ``--device cpu`` runs their code
 paths on the CPU)."""
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``make test`` runs 2 workers) each worker takes its share of the cores for torch's
+    intra-op threads: two workers of all the cores each stall each other's OpenMP threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_addoption(parser):
