@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-__all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "capturing", "check_capturable"]
+__all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "capturing", "check_capturable", "make_capturable"]
 
 _CAPTURING = [False]
 
