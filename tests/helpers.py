@@ -74,3 +74,70 @@ def readme_commands(section: str) -> list[list[str]]:
     block = readme_block(section)
     lines = [line.split("  #", 1)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
     return [shlex.split(line) for line in lines if line and not line.startswith("#")]
+
+
+class StaleReplay(AssertionError):
+    pass
+
+
+class SimulatedGraphs:
+    """CUDA graph semantics on the CPU, strictly: a capture runs the step and undoes what it did (a real
+    capture runs no kernel), keeping its loss tensor as the static output; a replay re-runs the step on the
+    tensors the capture saw and writes that tensor.  Before every replay it checks, by its own means, that
+    nothing a real graph bakes in has changed (tensor addresses, every value the step reads on the host),
+    raising StaleReplay where a real graph would replay stale parameters or settings."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ra=None) -> None:
+        self.model, self.optimizer, self.ra = model, optimizer, ra
+        self.captured = 0
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _baked(self) -> dict:
+        """What a captured graph holds fixed: tensor addresses, and every value the step reads on the host."""
+        opt = self.optimizer
+        state = [(id(p), sorted((k, id(v), v.data_ptr()) if torch.is_tensor(v) else (k, None, v)
+                                for k, v in opt.state[p].items())) for p in self._params() if p in opt.state]
+        hyper = [sorted((k, ("tensor", id(v)) if torch.is_tensor(v) else v) for k, v in g.items() if k != "params")
+                 for g in opt.param_groups]
+        ra = self.ra
+        return {"params": [(id(p), p.data_ptr(), tuple(p.shape)) for p in self._params()], "state": state,
+                "hyper": hyper, "training": [m.training for m in self.model.modules()],
+                "ra": None if ra is None else (ra.stage, ra.gamma, ra.size_target, ra.loss_target)}
+
+    def warmup(self, fn):
+        return fn()
+
+    def capture(self, fn):
+        assert all(p.grad is None for p in self._params()), \
+            "captured with gradients set: every replay would add to them"
+        baked = self._baked()
+        opt = self.optimizer
+        saved_params = [p.detach().clone() for p in self._params()]
+        saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+                       for p, s in opt.state.items()}
+        rng = torch.get_rng_state()
+        out = fn()
+        with torch.no_grad():   # a real capture runs no kernel: undo what the step did
+            for p, s in zip(self._params(), saved_params):
+                p.copy_(s)
+            for p in list(opt.state):
+                if p not in saved_state:
+                    del opt.state[p]
+                    continue
+                for k, v in saved_state[p].items():
+                    if torch.is_tensor(v):
+                        opt.state[p][k].copy_(v)
+        torch.set_rng_state(rng)
+        self.captured += 1
+        return {"fn": fn, "out": out, "baked": baked}, out
+
+    def replay(self, graph) -> None:
+        now = self._baked()
+        for what in now:
+            if now[what] != graph["baked"][what]:
+                raise StaleReplay(f"a real CUDA graph would replay stale {what}")
+        out = graph["fn"]()
+        with torch.no_grad():
+            graph["out"].copy_(out)

@@ -274,3 +274,35 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
         trainer.model.eval()
         loaded.eval()
         torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypatch, fresh_dynamo):
+    """compile_step(cuda_graphs="step") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
+    param_groups, RankAdaptive at its defaults), the capture simulated on the CPU (helpers.SimulatedGraphs:
+    a stale replay fails): one compiled graph for the twelve layers, two warm-ups, one capture, and the
+    losses and parameters of the eager loop, step for step."""
+    from comera_compile import graphs
+    from helpers import SimulatedGraphs
+
+    def build():
+        model = _model("llama")
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+        return model, opt, cc.RankAdaptive(model, optimizer=opt)
+
+    model, opt, ra = build()
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: SimulatedGraphs(model, opt, ra))
+    step = cc.compile_step(model, _loss, opt, cuda_graphs="step", rank_adaptive=ra)
+    ref, ref_opt, ref_ra = build()
+    for i in range(6):
+        x, y = _batch(i)
+        got = step(x, y)
+        want = _loss(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_ra.step(want.detach())
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
+    assert _graphs() == 1 and eager_blocks(model) == {}
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
