@@ -55,13 +55,16 @@ class _PairRows(torch.autograd.Function):
         a, b, ia, ib = ctx.saved_tensors
         ga = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
         gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
-        for start in range(0, ia.shape[0], ctx.chunk):
-            sl = slice(start, start + ctx.chunk)
-            g = grad[sl]
-            if ga is not None:
-                ga.index_add_(0, ia[sl], torch.bmm(g, b.index_select(0, ib[sl]).transpose(1, 2)))
-            if gb is not None:
-                gb.index_add_(0, ib[sl], torch.bmm(a.index_select(0, ia[sl]).transpose(1, 2), g))
+        # In the cores' dtype, as the forward's bmm(out=...) ran: a backward called inside an autocast
+        # region would otherwise get lower-precision products that index_add_ refuses to add.
+        with torch.autocast(grad.device.type, enabled=False):
+            for start in range(0, ia.shape[0], ctx.chunk):
+                sl = slice(start, start + ctx.chunk)
+                g = grad[sl].to(a.dtype)
+                if ga is not None:
+                    ga.index_add_(0, ia[sl], torch.bmm(g, b.index_select(0, ib[sl]).transpose(1, 2)))
+                if gb is not None:
+                    gb.index_add_(0, ib[sl], torch.bmm(a.index_select(0, ia[sl]).transpose(1, 2), g))
         return ga, gb, None, None
 
 

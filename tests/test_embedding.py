@@ -120,6 +120,25 @@ def test_pair_products_in_chunks_gradcheck(monkeypatch):
     assert torch.autograd.gradcheck(lambda x, y: _PairRows.apply(x, y, ia, ib), (a, b))
 
 
+
+def test_pair_products_backward_inside_autocast_matches_float64(monkeypatch):
+    """A backward called inside a bf16 autocast region (``with autocast: loss.backward()``) adds the
+    cores' gradients in their own dtype, as the forward computed them: it used to fail in index_add_."""
+    from comera_compile.embedding import _PairRows
+
+    monkeypatch.setattr(_PairRows, "CHUNK_ELEMENTS", 20)
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(5, 3, 4, generator=g, requires_grad=True)
+    b = torch.randn(6, 4, 2, generator=g, requires_grad=True)
+    ia, ib = torch.tensor([0, 4, 4, 1, 0, 3]), torch.tensor([5, 5, 0, 2, 5, 1])
+    w = torch.randn(6, 3, 2, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (_PairRows.apply(a, b, ia, ib) * w).sum().backward()
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    (torch.bmm(a64[ia], b64[ib]) * w.double()).sum().backward()
+    assert a.grad.dtype == torch.float32 and b.grad.dtype == torch.float32
+    assert rel_err(a.grad, a64.grad) < 1e-6 and rel_err(b.grad, b64.grad) < 1e-6
+
 def test_gradcheck_lookup_with_repeats_and_padding():
     layer = layer64(40, 6, 3, 3, padding_idx=5)
     names = [n for n, _ in layer.named_parameters()]
