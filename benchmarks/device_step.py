@@ -15,8 +15,10 @@ First, each variant alone: its first call (compiles included, in this process: l
 Inductor's caches warmer) and its peak device memory over its first three steps (the steps that record
 CUDA Graphs, whose memory pool the replays reuse): torch.cuda.max_memory_allocated above what was
 allocated before, plus the variant's own parameters.  Then step times, interleaved across the variants,
-medians after warm-up, from CUDA events (on the CPU: the host clock); on CUDA last, each variant's kernel
-and graph launches per step (profiling.launches_per_step).
+medians after warm-up, from CUDA events (on the CPU: the host clock).  Last, each variant's cc.breakdown
+at that step time: kernel and graph launches from the host, kernels run, the device's idle share of the step,
+the matrix products' share of its busy time, and the FLOP rate (cc.count_flops of the same model run
+eagerly) against the matmul peak measured here in the row's precision (cc.matmul_peak).
 
 ``comera-compile bench --device cuda`` runs this with the embedding and TT-linear benches; ``--device cpu``
 runs the same code paths at reduced sizes on the CPU (no memory figures there: CPU memory is not
@@ -37,9 +39,10 @@ import comera_compile as cc
 from comera_compile.examples import six_encoder
 
 from .common import eager_step
-from .six_encoder_step import _comera_fixed_order, _in_fixed_order
+from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
-__all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS"]
+__all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS",
+           "breakdown_cells"]
 
 MIB = 2.0**20
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -197,12 +200,7 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
         ms = device_compare({k: (lambda s=s: s(*args)) for k, (_, _, s) in variants.items()}, device,
                             warmup=2, repeat=3 if quick else 20)
         row.update({f"{k} ms": v for k, v in ms.items()})
-        if device.type == "cuda":
-            from comera_compile.profiling import launches_per_step
-
-            for name, (_, _, step) in variants.items():
-                n = launches_per_step(lambda s=step: s(*args), steps=3)
-                row[f"{name} launches"] = n["kernels"] + n["graphs"]
+        row.update(_breakdowns(variants, args, ms, layers, device, dtype))
     best = row["best CoMERA"] = min((k for k in ms if k.startswith("CoMERA") and k != "CoMERA, fixed order"),
                                     key=ms.__getitem__)
     comera = ms[best]
@@ -222,6 +220,52 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
     del variants
     gc.collect()
     return row
+
+
+def _step_flops(layers: int, device: torch.device, dtype: torch.dtype | None, args: tuple
+                ) -> dict[str, Any]:
+    """Matrix-product FLOPs of one forward + backward (torch's flop counter, eager models built as the
+    variants are): dense, CoMERA in its searched order and in the fixed order."""
+    from comera_compile.step_time import count_flops
+
+    loss_fn = nn.CrossEntropyLoss()
+    *inputs, target = args
+    torch.manual_seed(0)
+    dense = six_encoder.build(layers=layers).to(device)
+    tt = cc.tensorize(six_encoder.build(layers=layers), preset="comera-six-encoder").to(device)
+
+    def train(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                loss = loss_fn(model(*inputs), target)
+            loss.backward()
+        return run
+
+    out = {"dense": count_flops(train(dense)), "CoMERA": count_flops(train(tt), model=tt)}
+    with fixed_order():
+        out["CoMERA, fixed order"] = count_flops(train(tt), model=tt)
+    return out
+
+
+def _breakdowns(variants: dict, args: tuple, ms: dict[str, float], layers: int, device: torch.device,
+                dtype: torch.dtype | None) -> dict[str, Any]:
+    """Each variant's cc.breakdown (kernels, host launches, busy and idle device time, time in matrix
+    products, FLOP rate against the measured matmul peak) as "<variant> breakdown", at its step time above;
+    "<variant> launches" (kernel + graph launches from the host) on CUDA."""
+    from comera_compile.step_time import breakdown, matmul_peak
+
+    flops = _step_flops(layers, device, dtype, args)
+    peak = matmul_peak(device, dtype)
+    out: dict[str, Any] = {"matmul peak TFLOP/s": peak / 1e12}
+    for name, (_, _, step) in variants.items():
+        count = flops["CoMERA, fixed order"] if name.endswith("fixed order") else (
+            flops["CoMERA"] if name.startswith("CoMERA") else flops["dense"])
+        b = breakdown(lambda s=step: s(*args), device=device, steps=3, warmup=0, flops=count, peak_flops=peak,
+                      step_ms=ms[name])
+        out[f"{name} breakdown"] = b.to_dict()
+        if device.type == "cuda":
+            out[f"{name} launches"] = b.launches + b.graphs
+    return out
 
 
 def _device_name(device: torch.device) -> str:
@@ -266,6 +310,32 @@ def ratio_text(row: dict) -> str:
     return ", ".join(f"{k} {row[k]:.2f}x" for k in row if k.startswith(RATIO_KEYS))
 
 
+def breakdown_cells(b: dict | None) -> dict[str, str]:
+    """A variant's breakdown (StepBreakdown.to_dict) as table cells: kernels per step, idle share of the step,
+    matrix products' share of the busy time, TFLOP/s and their share of the measured matmul peak."""
+    if not b:
+        return {}
+    busy = b["busy_ms"] or float("nan")
+    cells = {"kernels": f"{b['kernels']:.0f}", "idle": f"{100 * b['idle_ms'] / b['step_ms']:.0f}%",
+             "matmul": f"{100 * b['categories']['matmul']['ms'] / busy:.0f}%"}
+    if b.get("flops_per_s") is not None:
+        cells["TFLOP/s"] = f"{b['flops_per_s'] / 1e12:.2f}"
+    if b.get("peak_share") is not None:
+        cells["of peak"] = f"{100 * b['peak_share']:.1f}%"
+    return cells
+
+
+def breakdown_text(b: dict | None) -> str:
+    cells = breakdown_cells(b)
+    if not cells:
+        return ""
+    unit = "operators" if b.get("device") == "cpu" else "kernels"
+    text = f"; {cells['kernels']} {unit}, idle {cells['idle']}, matmul {cells['matmul']} of busy"
+    if "TFLOP/s" in cells:
+        text += f", {cells['TFLOP/s']} TFLOP/s ({cells.get('of peak', '-')} of peak)"
+    return text
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = []
     for r in rows:
@@ -274,7 +344,8 @@ def format_rows(rows: list[dict]) -> str:
         for n in names:
             mem = f", peak {r[n + ' MiB']:.1f} MiB" if f"{n} MiB" in r else ""
             launches = f", {r[n + ' launches']:.0f} launches" if f"{n} launches" in r else ""
-            lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}{launches}, first call {r[n + ' first s']:.1f} s")
+            lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}{launches}, first call {r[n + ' first s']:.1f} s"
+                         + breakdown_text(r.get(f"{n} breakdown")))
         lines.append(f"  {ratio_text(r)}; best CoMERA: {r['best CoMERA']}; "
                      f"params {r['dense params']:,} -> {r['CoMERA params']:,}")
     return "\n".join(lines)

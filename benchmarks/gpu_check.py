@@ -107,15 +107,23 @@ def report_markdown(report: dict[str, Any]) -> str:
         for row in block["rows"]:
             variants = [k[:-3] for k in row if k.endswith(" ms")]
             if "precision" in row:   # the device step: one table per batch and precision
-                from .device_step import RATIO_KEYS
+                from .device_step import RATIO_KEYS, breakdown_cells
 
                 lines += [f"### {row['benchmark']} ({row['device']})", "",
-                          "| variant | step ms (median) | launches per step | peak MiB | first call s |",
-                          "| --- | ---: | ---: | ---: | ---: |"]
+                          "| variant | step ms (median) | launches per step | kernels per step | device idle | "
+                          "matmul share of busy | TFLOP/s | of matmul peak | peak MiB | first call s |",
+                          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
                 for v in variants:
                     mem, launches = row.get(f"{v} MiB"), row.get(f"{v} launches")
+                    cells = breakdown_cells(row.get(f"{v} breakdown"))
+                    more = " | ".join(cells.get(k, "-") for k in ("kernels", "idle", "matmul", "TFLOP/s", "of peak"))
                     lines.append(f"| {v} | {row[v + ' ms']:.2f} | {'-' if launches is None else f'{launches:.0f}'} | "
-                                 f"{'-' if mem is None else f'{mem:.1f}'} | {row[v + ' first s']:.1f} |")
+                                 f"{more} | {'-' if mem is None else f'{mem:.1f}'} | {row[v + ' first s']:.1f} |")
+                if "matmul peak TFLOP/s" in row:
+                    lines += ["", f"Matmul peak measured here: {row['matmul peak TFLOP/s']:.1f} TFLOP/s "
+                                  f"({row['precision']}, a square product, cc.matmul_peak); FLOPs per step from "
+                                  f"cc.count_flops (dense {_gflop(row, 'dense eager')}, CoMERA "
+                                  f"{_gflop(row, 'CoMERA')} GFLOP)."]
                 ratios = [f"{k} **{row[k]:.2f}x**" for k in row if k.startswith(RATIO_KEYS)]
                 lines += ["", "; ".join(ratios) + f" (best CoMERA: {row.get('best CoMERA')}).", ""]
                 if row.get("note"):
@@ -125,6 +133,11 @@ def report_markdown(report: dict[str, Any]) -> str:
                                               for k, v in row.items()))
         lines.append("")
     return "\n".join(lines)
+
+
+def _gflop(row: dict, variant: str) -> str:
+    flops = (row.get(f"{variant} breakdown") or {}).get("flops") or {}
+    return f"{flops['total'] / 1e9:.2f}" if "total" in flops else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,10 @@ _EXPORTS: dict[str, str] = {
     "GraphReport": "comera_compile.logs",
     "profile": "comera_compile.profiling",
     "LayerProfile": "comera_compile.profiling",
+    "breakdown": "comera_compile.step_time",
+    "StepBreakdown": "comera_compile.step_time",
+    "count_flops": "comera_compile.step_time",
+    "matmul_peak": "comera_compile.step_time",
     "RankAdaptive": "comera_compile.rank_adaptive",
     "param_groups": "comera_compile.optim",
     "tempo": "comera_compile.passes.module.tempo",
@@ -72,6 +76,7 @@ if TYPE_CHECKING:
     from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile
+    from comera_compile.step_time import StepBreakdown, breakdown, count_flops, matmul_peak
     from comera_compile.checkpoint import from_pretrained, save_pretrained
     from comera_compile.distributed import load_checkpoint, save_checkpoint
     from comera_compile.embedding import TTEmbedding, TTEmbeddingBag

@@ -256,11 +256,6 @@ class _Part(nn.Module):
         return out[0] if self.single else out
 
 
-_KERNEL_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
-                    "cudaLaunchCooperativeKernel", "cudaLaunchCooperativeKernelMultiDevice")
-_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")
-
-
 def launches_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:
     """What one call of ``step()`` asks of the GPU, from the CUDA runtime and driver calls torch's profiler
     records: ``kernels`` (kernel launches from the host, each one a launch gap), ``graphs`` (CUDA graph
@@ -273,6 +268,8 @@ def launches_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, floa
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
+
+    from comera_compile.step_time import _GRAPH_LAUNCHES, _KERNEL_LAUNCHES
 
     torch.cuda.synchronize()
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -297,7 +297,10 @@ def test_gpu_check_report_shows_every_variant_and_ratio():
     row = {"benchmark": "device_step_cuda_bf16_b1x128_l6", "device": "NVIDIA H100", "precision": "bf16",
            "dense eager first s": 1.0, "dense eager MiB": 900.0, "CoMERA first s": 30.0, "CoMERA MiB": 100.0,
            "dense eager ms": 12.0, "CoMERA ms": 4.0, "CoMERA launches": 212.0, "dense eager launches": 640.0,
-           "CoMERA vs dense eager": 3.0, "best CoMERA": "CoMERA"}
+           "CoMERA vs dense eager": 3.0, "best CoMERA": "CoMERA", "matmul peak TFLOP/s": 400.0,
+           "CoMERA breakdown": {"step_ms": 4.0, "busy_ms": 3.0, "idle_ms": 1.0, "kernels": 300.0,
+                                "categories": {"matmul": {"ms": 1.5, "count": 90.0}}, "flops": {"total": 4e9},
+                                "flops_per_s": 1e12, "peak_share": 1e12 / 400e12}}
     report = {"date": "2026-11-24", "command": "x", "bench": {"device_step": {"rows": [row]}},
               "machine": {"device": "NVIDIA H100", "torch": "2.11.0", "cuda": "13.0", "python": "3.12",
                           "platform": "Linux"},
@@ -305,7 +308,9 @@ def test_gpu_check_report_shows_every_variant_and_ratio():
                         "errors": 0, "skipped": 0,
                         "cases": [{"test": "test_x", "status": "failed", "message": "boom"}]}}
     md = gpu_check.report_markdown(report)
-    assert "| CoMERA | 4.00 | 212 | 100.0 | 30.0 |" in md and "| dense eager | 12.00 | 640 | 900.0 | 1.0 |" in md
+    assert "| CoMERA | 4.00 | 212 | 300 | 25% | 50% | 1.00 | 0.2% | 100.0 | 30.0 |" in md
+    assert "| dense eager | 12.00 | 640 | - | - | - | - | - | 900.0 | 1.0 |" in md
+    assert "400.0 TFLOP/s (bf16" in md and "CoMERA 4.00 GFLOP" in md
     assert "CoMERA vs dense eager **3.00x** (best CoMERA: CoMERA)" in md
     assert "3 passed, 1 failed" in md and "`test_x` boom" in md and "NVIDIA H100" in md
 

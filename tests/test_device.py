@@ -318,6 +318,26 @@ def test_whole_step_graph_is_one_launch_per_step(device):
     assert counts["compiled"]["kernels"] > 10 * max(whole["kernels"], 1), counts
 
 
+def test_breakdown_sees_the_kernels_inside_a_replayed_step(device):
+    """cc.breakdown of the whole-step graph: one graph launch, its kernels seen on the device (matrix
+    products among them), busy time no longer than the profiled step allows; and the measured matmul peak
+    and the step's FLOP rate are finite and ordered (the step's rate under the peak)."""
+    needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 256)
+    model = _tensorized_net(device)
+    opt = torch.optim.AdamW(model.parameters())
+    eager = _tensorized_net(device)
+    flops = cc.count_flops(lambda: nn.CrossEntropyLoss()(eager(x), target).backward(), model=eager)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, cuda_graphs="step")
+    peak = cc.matmul_peak(device)
+    b = cc.breakdown(lambda: step(x, target), device=device, warmup=5, flops=flops, peak_flops=peak)
+    assert b.graphs == 1 and b.launches <= 1, b
+    assert b.kernels > 10 and b.categories["matmul"]["count"] >= 3, b
+    assert sum(c["count"] for c in b.categories.values()) == pytest.approx(b.kernels)
+    assert 0 < b.busy_ms and 0 < flops.tt_layers <= flops.total, b
+    assert 1e12 < peak < 1e16 and 0 < b.peak_share < 1, b
+
+
 def test_hash_dropout_keep_rate_and_mask_agreement(device):
     """Compiled dropout (hash masks in the generated kernels: Triton on CUDA, C++ on the CPU) keeps 1 - p of
     the elements, scales them by 1 / (1 - p), and the backward lets the gradient through exactly where the
