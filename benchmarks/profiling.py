@@ -47,16 +47,17 @@ def without_hooks(model: nn.Module) -> nn.Module:
     return model
 
 
-def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = False, profile: bool = True):
+def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = False, profile: bool = True,
+                 device: str = "cpu"):
     from comera_compile.examples import six_encoder
 
     torch.manual_seed(0)
-    model = cc.tensorize(six_encoder.build(layers=layers), preset="comera-six-encoder")
+    model = cc.tensorize(six_encoder.build(layers=layers), preset="comera-six-encoder").to(device)
     if not hooks:
         without_hooks(model)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
-    ids, seg, mask = six_encoder.example_inputs(model, batch=batch, seq=128)
-    target = torch.zeros(batch, dtype=torch.long)
+    ids, seg, mask = (t.to(device) for t in six_encoder.example_inputs(model, batch=batch, seq=128))
+    target = torch.zeros(batch, dtype=torch.long, device=device)
     if compiled:
         step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, options={"profile": True} if profile else None)
     else:
@@ -64,11 +65,12 @@ def _six_encoder(batch: int, layers: int, hooks: bool = True, compiled: bool = F
     return model, lambda: step(ids, seg, mask, target)
 
 
-def six_encoder_profile(batch: int = 8, layers: int = 6, steps: int = 3, compiled: bool = False
-                        ) -> "cc.LayerProfile":
-    """cc.profile of the six-encoder's AdamW step at batch x 128: eager, or compiled (cc.compile_step with
-    the backend's profile option: each TT layer's part of the blocks' graph compiled on its own)."""
-    model, step = _six_encoder(batch, layers, compiled=compiled)
+def six_encoder_profile(batch: int = 8, layers: int = 6, steps: int = 3, compiled: bool = False,
+                        device: str = "cpu") -> "cc.LayerProfile":
+    """cc.profile of the six-encoder's AdamW step at batch x 128 on `device`: eager, or compiled
+    (cc.compile_step with the backend's profile option: each TT layer's part of the blocks' graph compiled
+    on its own).  On CUDA the table is the layers' kernel time against the time the device was busy."""
+    model, step = _six_encoder(batch, layers, compiled=compiled, device=device)
     return cc.profile(step, model=model, steps=steps)
 
 

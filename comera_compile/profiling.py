@@ -29,7 +29,9 @@ _BACKWARD = "autograd::engine::evaluate_function: "
 
 @dataclass
 class LayerTime:
-    """One TT layer's share of the profiled steps (milliseconds per step, CPU time as the profiler counts)."""
+    """One TT layer's share of the profiled steps (milliseconds per step): CPU time as the profiler counts
+    it, and on CUDA the time of the kernels the layer's forward and backward launched (device_ms,
+    backward_device_ms)."""
 
     name: str
     kind: str
@@ -37,10 +39,15 @@ class LayerTime:
     forward_ms: float
     backward_ms: float
     device_ms: float = 0.0
+    backward_device_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
         return self.forward_ms + self.backward_ms
+
+    @property
+    def total_device_ms(self) -> float:
+        return self.device_ms + self.backward_device_ms
 
 
 @dataclass
@@ -52,22 +59,37 @@ class LayerProfile:
     steps: int
     step_ms: float
     trace: Any = field(default=None, repr=False)
+    device_busy_ms: float = 0.0   # CUDA: time per step some kernel ran (all kernels, not only the layers')
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "step_ms": self.step_ms,
-                "layers": [dict(asdict(t), total_ms=t.total_ms) for t in self.layers]}
+        return {"steps": self.steps, "step_ms": self.step_ms, "device_busy_ms": self.device_busy_ms,
+                "layers": [dict(asdict(t), total_ms=t.total_ms, total_device_ms=t.total_device_ms)
+                           for t in self.layers]}
 
     def __str__(self) -> str:
+        device = self.device_busy_ms > 0
         head = ("layer", "kind", "calls/step", "forward ms", "backward ms", "total ms", "% of step")
-        rows = [(t.name, t.kind, f"{t.calls / self.steps:g}", f"{t.forward_ms:.3f}", f"{t.backward_ms:.3f}",
-                 f"{t.total_ms:.3f}", f"{100 * t.total_ms / self.step_ms:.1f}" if self.step_ms else "-")
-                for t in sorted(self.layers, key=lambda t: -t.total_ms)]
+        if device:   # on CUDA the host's time says little: the kernels' time is what the step waits for
+            head = ("layer", "kind", "calls/step", "forward ms", "backward ms", "total ms", "% of device busy")
+        key = (lambda t: -t.total_device_ms) if device else (lambda t: -t.total_ms)
+        rows = []
+        for t in sorted(self.layers, key=key):
+            fwd, bwd, tot = ((t.device_ms, t.backward_device_ms, t.total_device_ms) if device
+                             else (t.forward_ms, t.backward_ms, t.total_ms))
+            whole = self.device_busy_ms if device else self.step_ms
+            rows.append((t.name, t.kind, f"{t.calls / self.steps:g}", f"{fwd:.3f}", f"{bwd:.3f}", f"{tot:.3f}",
+                         f"{100 * tot / whole:.1f}" if whole else "-"))
         widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
         line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-        total = sum(t.total_ms for t in self.layers)
-        out = [line(head), line(["-" * w for w in widths]), *map(line, rows), "",
-               f"TT layers: {total:.3f} ms of a {self.step_ms:.3f} ms step (per step, {self.steps} profiled; "
-               f"CPU time under the profiler)"]
+        if device:
+            total = sum(t.total_device_ms for t in self.layers)
+            summary = (f"TT layers: {total:.3f} ms of kernel time of the {self.device_busy_ms:.3f} ms the device "
+                       f"was busy per step (step {self.step_ms:.3f} ms on the host clock; {self.steps} profiled)")
+        else:
+            total = sum(t.total_ms for t in self.layers)
+            summary = (f"TT layers: {total:.3f} ms of a {self.step_ms:.3f} ms step (per step, {self.steps} "
+                       f"profiled; CPU time under the profiler)")
+        out = [line(head), line(["-" * w for w in widths]), *map(line, rows), "", summary]
         if not self.layers:
             out.append("no TT layer was seen: inside a graph Inductor compiled the layers are not visible to the "
                        "profiler (Inductor removes profiler ranges); compile with "
@@ -124,9 +146,12 @@ def profile(step: Callable[..., Any], *args: Any, model: nn.Module | None = None
     events = prof.events()
     step_us = sum(e.cpu_time_total for e in events if e.name == "comera.step")
     backward_us: dict[int, float] = {}
+    backward_device_us: dict[int, float] = {}
     for e in events:
         if e.name.startswith(_BACKWARD) and getattr(e, "sequence_nr", -1) >= 0:
             backward_us[e.sequence_nr] = backward_us.get(e.sequence_nr, 0.0) + e.cpu_time_total
+            backward_device_us[e.sequence_nr] = (backward_device_us.get(e.sequence_nr, 0.0)
+                                                 + getattr(e, "device_time_total", 0.0))
     table: dict[str, LayerTime] = {}
     for e in events:
         if not e.name.startswith(_PREFIX) or "[" not in e.name:
@@ -134,11 +159,18 @@ def profile(step: Callable[..., Any], *args: Any, model: nn.Module | None = None
         kind, _, rest = e.name[len(_PREFIX):].partition("[")
         name = rest[:-1]
         t = table.setdefault(name, LayerTime(name, kind, 0, 0.0, 0.0))
+        numbers = _sequence_numbers(e)
         t.calls += 1
         t.forward_ms += e.cpu_time_total / 1e3 / steps
-        t.backward_ms += sum(backward_us.get(n, 0.0) for n in _sequence_numbers(e)) / 1e3 / steps
+        t.backward_ms += sum(backward_us.get(n, 0.0) for n in numbers) / 1e3 / steps
         t.device_ms += getattr(e, "device_time_total", 0.0) / 1e3 / steps
-    return LayerProfile(list(table.values()), steps, step_us / 1e3 / steps, prof)
+        t.backward_device_ms += sum(backward_device_us.get(n, 0.0) for n in numbers) / 1e3 / steps
+    busy = 0.0
+    if torch.cuda.is_available():
+        from comera_compile.step_time import summarize
+
+        busy = summarize(events, "cuda", steps)["busy_ms"]
+    return LayerProfile(list(table.values()), steps, step_us / 1e3 / steps, prof, busy)
 
 
 def _range_kind(layer_class: type) -> str:

@@ -338,6 +338,29 @@ def test_breakdown_sees_the_kernels_inside_a_replayed_step(device):
     assert 1e12 < peak < 1e16 and 0 < b.peak_share < 1, b
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-profile-option"])
+def test_profile_gives_each_tt_layer_its_kernel_time(device, compiled):
+    """cc.profile on CUDA: every TT layer's forward and backward kernels are timed on the device, and
+    together they fit inside the time the device was busy; the table is in device time."""
+    needs_cuda(device, "kernel time")
+    x, target = _batch(device, 256)
+    model = _tensorized_net(device)
+    opt = torch.optim.AdamW(model.parameters())
+    if compiled:
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, options={"profile": True})
+    else:
+        def step(x, target):
+            nn.CrossEntropyLoss()(model(x), target).backward()
+            opt.step()
+            opt.zero_grad()
+    prof = cc.profile(step, x, target, model=model, steps=3, warmup=3)
+    tt = [m for m in model.modules() if isinstance(m, TTLinear)]
+    assert len(prof.layers) == len(tt), str(prof)
+    assert all(t.device_ms > 0 and t.backward_device_ms > 0 for t in prof.layers), str(prof)
+    assert 0 < sum(t.total_device_ms for t in prof.layers) <= prof.device_busy_ms * 1.01, str(prof)
+    assert "% of device busy" in str(prof)
+
+
 def test_hash_dropout_keep_rate_and_mask_agreement(device):
     """Compiled dropout (hash masks in the generated kernels: Triton on CUDA, C++ on the CPU) keeps 1 - p of
     the elements, scales them by 1 / (1 - p), and the backward lets the gradient through exactly where the

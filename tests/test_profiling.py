@@ -192,3 +192,11 @@ def test_bench_profile_prints_a_row_per_tt_layer_eager_and_compiled(capsys):
         names = {r[0] for r in rows}
         assert {"layers.0.ffn_up", "layers.1.ffn_down", "word"} <= names, out
         assert "TT layers:" in table
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where CUDA is absent")
+def test_bench_profile_on_a_missing_cuda_device_says_what_to_do():
+    from comera_compile.cli import main
+
+    with pytest.raises(SystemExit, match="no CUDA device.*--device cpu"):
+        main(["bench", "--profile", "1", "--device", "cuda"])

@@ -12,14 +12,20 @@ def run(args: argparse.Namespace) -> int:
 
     set_threads("bench", args.threads)
     if args.profile:
+        from comera_compile.benchmarks.device_step import resolve_device
         from comera_compile.benchmarks.profiling import six_encoder_profile
 
+        try:
+            device = str(resolve_device(args.device or "cpu"))
+        except ValueError as e:
+            raise SystemExit(f"comera-compile bench: {e}") from e
         layers = 2 if args.quick else 6
-        print(f"per-layer time of the six-encoder's eager AdamW step, batch {args.profile} x 128 (cc.profile):")
-        print(six_encoder_profile(batch=args.profile, layers=layers))
+        print(f"per-layer time of the six-encoder's eager AdamW step, batch {args.profile} x 128, on {device} "
+              f"(cc.profile):")
+        print(six_encoder_profile(batch=args.profile, layers=layers, device=device))
         print(f"\nthe same step compiled (cc.compile_step, backend option profile: each TT layer's part of the "
               f"graph compiled on its own, inside its range):")
-        print(six_encoder_profile(batch=args.profile, layers=layers, compiled=True))
+        print(six_encoder_profile(batch=args.profile, layers=layers, compiled=True, device=device))
         return 0
     try:
         run_suite(quick=args.quick, only=args.only, json_path=args.json, device=args.device)
@@ -46,6 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--profile", type=int, nargs="?", const=8, default=None, metavar="BATCH",
                    help="instead of the suite, time each TT layer (forward and backward) of the six-encoder's "
                         "training step at BATCH x 128 (default 8) under torch's profiler, eager and compiled: "
-                        "cc.profile's tables")
+                        "cc.profile's tables (with --device cuda: each layer's kernel time on the GPU)")
     b.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
 
