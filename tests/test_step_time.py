@@ -157,3 +157,15 @@ def test_breakdown_refuses_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             cc.breakdown(lambda: None, device="cuda")
+
+
+def test_readme_breakdown_lines_run_as_written(capsys):
+    from helpers import readme_marked_block
+
+    torch.manual_seed(0)
+    model = cc.tensorize(_mlp(bias=True), rank=4, min_features=16)
+    names = {"cc": cc, "model": model, "loss_fn": nn.MSELoss(), "opt": torch.optim.AdamW(model.parameters()),
+             "x": torch.randn(8, 32), "y": torch.randn(8, 16)}
+    exec(compile(readme_marked_block("<!-- breakdown-lines -->"), "README.md", "exec"), names)
+    out = capsys.readouterr().out
+    assert "busy" in out and "GFLOP per step" in out and "of the measured matmul peak" in out
