@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -103,26 +104,27 @@ def check_capturable(optimizer: torch.optim.Optimizer, model: nn.Module) -> None
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
     """Turn the groups' ``capturable`` on (moving existing step counters to their parameter's device) and make
-    float learning rates 0-dim tensors on the parameters' device: LR schedulers fill those in place, so a
-    captured step reads each new rate.  SGD has neither option: its rates are checked instead."""
+    float learning rates 0-dim tensors on the parameters' device where the implementation reads them there
+    (capturable or fused: SGD made fused by compile_step too): LR schedulers fill those in place, so a captured
+    step reads each new rate.  Other rates stay floats, checked before each replay."""
     try:
         from torch.optim.optimizer import _get_capturable_supported_devices
         supported = _get_capturable_supported_devices()
     except ImportError:   # a release without the helper: CUDA is the device capturable steps run on
         supported = ["cuda"]
     for group in optimizer.param_groups:
-        if "capturable" not in group or not group["params"]:
+        if not group["params"]:
             continue
         device = group["params"][0].device
-        if not group["capturable"] and device.type in supported:
+        if "capturable" in group and not group["capturable"] and device.type in supported:
             group["capturable"] = True
             for p in group["params"]:
                 step = optimizer.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and step.device != p.device:
                     optimizer.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
-        # (torch takes a tensor rate in its capturable, fused and single-tensor implementations)
-        if isinstance(group.get("lr"), float) and (group["capturable"] or group.get("fused")
-                                                   or group.get("foreach") is False):
+        # torch reads a tensor rate on the device in its capturable and fused implementations (SGD's
+        # single-tensor and foreach ones would read it on the host: a float stays there, checked per replay)
+        if isinstance(group.get("lr"), float) and (group.get("capturable") or group.get("fused")):
             group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
 
 
@@ -140,6 +142,28 @@ class _World:
     state: Any
     hyper: list[tuple]
     extra: tuple
+
+
+def _what_changed(old: _World, optimizer: torch.optim.Optimizer, extra: tuple) -> str:
+    """The first thing a captured step baked in that differs now, in words (for the warning)."""
+    groups = optimizer.param_groups
+    params = [p for g in groups for p in g["params"]]
+    if len(params) != len(old.params) or any(p is not q for p, q in zip(params, old.params)):
+        return "the optimizer's parameters were replaced (a rank re-allocation, or groups added)"
+    if [g["params"][0].data_ptr() if g["params"] else 0 for g in groups] != old.firsts:
+        return "a parameter's storage moved"
+    if optimizer.state is not old.state:
+        return "the optimizer's state was replaced (load_state_dict)"
+    for i, (before, g) in enumerate(zip(old.hyper, groups)):
+        for (key, was), (_, now) in zip(before, _hyper(g)):
+            if was != now:
+                shown = "" if isinstance(g[key], torch.Tensor) else f" ({was!r} -> {now!r})"
+                return f"param group {i}'s {key!r} changed{shown}"
+    names = ("train/eval mode", "grad mode")
+    for i, (was, now) in enumerate(zip(old.extra, extra)):
+        if was != now:
+            return f"the {names[i] if i < len(names) else 'rank-adaptive stage'} changed"
+    return "what the step baked in changed"
 
 
 @dataclass
@@ -173,6 +197,7 @@ class StepGraph:
         self._warm: dict[tuple, int] = {}
         self._world: _World | None = None
         self.captures = self.replays = self.warmups = 0
+        self._changes_in_a_row, self._warned = 0, False
 
     def _same_world(self) -> bool:
         w = self._world
@@ -202,7 +227,10 @@ class StepGraph:
 
     def __call__(self, *args: Any) -> torch.Tensor:
         if not self._same_world():
+            self._changed()
             self._new_world()
+        else:
+            self._changes_in_a_row = 0
         key = tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else ("value", a)
                     for a in args)
         entry = self._graphs.get(key)
@@ -218,6 +246,22 @@ class StepGraph:
         self._graphs_api.replay(entry.graph)
         self.replays += 1
         return entry.loss.clone()
+
+    def _changed(self) -> None:
+        """A change before `warmup` + 1 calls in a row means no call is ever captured: every step then runs
+        as a warm-up, uncaptured.  Say so once, naming what changed."""
+        if self._world is None:
+            return
+        self._changes_in_a_row += 1
+        if self._changes_in_a_row > self.warmup and not self._warned:
+            self._warned = True
+            why = _what_changed(self._world, self.optimizer, self._world_extra())
+            warnings.warn(
+                f"cuda_graphs='step': what the captured step bakes in changed at each of the last "
+                f"{self._changes_in_a_row} calls, so no step is captured and each runs uncaptured (last "
+                f"change: {why}).  A setting changed every step must be a tensor the graph reads: learning "
+                f"rates become one where the optimizer takes it (capturable, or SGD with fused=True); "
+                f"otherwise change the setting less often, or use cuda_graphs='compiled'", stacklevel=3)
 
     def _capture(self, key: tuple, args: tuple) -> _Captured | None:
         """Capture the step for this input signature (the capture runs nothing); None where the capture changed

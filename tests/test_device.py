@@ -295,6 +295,38 @@ def test_compile_step_trains_as_eager_adamw_in_every_cuda_graph_mode(device, gra
         assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 6)
 
 
+def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
+    """SGD with momentum under a per-step LambdaLR, cuda_graphs="step": compile_step makes SGD fused and its
+    rate a device tensor the scheduler fills, so one capture serves every rate, and the steps equal eager
+    SGD's under the same schedule."""
+    needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 32)
+    loss_fn = nn.CrossEntropyLoss()
+    eager = _tensorized_net(device)
+    opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8**i)
+    ref_losses = []
+    for _ in range(8):
+        loss = loss_fn(eager(x), target)
+        ref_losses.append(loss.detach())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    model = _tensorized_net(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8**i)
+    step = cc.compile_step(model, loss_fn, opt, cuda_graphs="step")
+    losses = []
+    for _ in range(8):
+        losses.append(step(x, target))
+        sched.step()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5)
+
+
 def test_whole_step_graph_is_one_launch_per_step(device):
     """cuda_graphs="step": one CUDA graph launch per step and no kernel launched on its own, the batch copied
     into the static inputs and the loss out (torch's profiler counts the CUDA runtime calls); "compiled"

@@ -198,6 +198,41 @@ def test_changed_settings_state_and_mode_capture_anew(monkeypatch):
     assert step.graph.captures == 4
 
 
+@pytest.mark.parametrize("foreach", [True, None], ids=["sgd-foreach-float-lr", "sgd-default"])
+def test_a_setting_changed_every_step_is_said_not_left_uncaptured(monkeypatch, foreach):
+    """SGD whose rate stays a float (foreach) under a per-step schedule: the rate a graph would bake in
+    changes every step, so no step can be captured -- it trains as the eager loop, and a warning names the
+    changed setting and the fix.  SGD left at its default is made fused, its rate a tensor: captured once,
+    no warning."""
+    import warnings
+
+    batches = _batches(8)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: 0.9**i)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    step, _ = _captured_step(monkeypatch, model, opt)
+    eager = _eager_step(ref, ref_opt)
+    losses, ref_losses = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches:
+            losses.append(step(x, y))
+            ref_losses.append(eager(x, y))
+            sched.step()
+            ref_sched.step()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    said = [str(w.message) for w in caught if "cuda_graphs='step'" in str(w.message)]
+    if foreach:
+        assert step.graph.captures == 0 and len(said) == 1, said
+        assert "param group 0's 'lr' changed" in said[0] and "fused=True" in said[0]
+    else:
+        assert step.graph.captures == 1 and said == []
+
+
 def test_the_simulated_graph_catches_a_replay_that_skipped_its_checks(monkeypatch):
     """The checks are what keeps replays fresh: with them skipped, a changed setting replays stale."""
     model = _net()
