@@ -37,7 +37,7 @@ test-torch:
 	test -x $(TORCH_VENVS)/torch-$(TORCH)/bin/python || $(PYTHON) -m venv $(TORCH_VENVS)/torch-$(TORCH)
 	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pip install --quiet "torch==$(TORCH)"
 	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pip install --quiet -e ".[test,examples,bench]"
-	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pytest -m "not slow" -q -p no:cacheprovider
+	$(TORCH_VENVS)/torch-$(TORCH)/bin/python -m pytest -m "not slow" -q -p no:cacheprovider -n $(TEST_WORKERS)
 
 gpu-check:  # wheels in .whl/ (galore-torch, bitsandbytes, ...) are installed first, from disk
 	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
