@@ -77,20 +77,12 @@ def device_compare(cases: dict[str, Callable[[], object]], device: torch.device,
         for _ in range(warmup):
             fn()
     _sync(device)
+    from comera_compile.step_time import call_ms
+
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples[name].append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                samples[name].append((time.perf_counter() - t0) * 1e3)
+            samples[name].append(call_ms(fn, device))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

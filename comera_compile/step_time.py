@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 __all__ = ["breakdown", "StepBreakdown", "count_flops", "FlopCount", "matmul_peak", "kernel_category",
-           "busy_time"]
+           "busy_time", "call_ms"]
 
 # Kernel and operator names of matrix products: cuBLAS (gemm, gemv, xmma/wgmma tensor-core kernels, nvjet,
 # cutlass templates, split-K reductions), Inductor's Triton matmul templates, and aten's product operators.
@@ -121,21 +121,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def call_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    """Milliseconds of one call of `fn`: CUDA events around it on CUDA (device time, launch gaps included),
+    the host clock elsewhere."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _median_ms(fn: Callable[[], Any], device: torch.device, repeat: int) -> float:
-    samples = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(samples)
+    return statistics.median(call_ms(fn, device) for _ in range(repeat))
 
 
 def matmul_peak(device: str | torch.device = "cuda", dtype: torch.dtype | None = None, size: int | None = None,
@@ -206,7 +208,8 @@ class StepBreakdown:
             line = (f"{self.flops.total / 1e9:.3f} GFLOP per step ({self.flops.tt_layers / 1e9:.3f} in TT layers), "
                     f"{self.flops_per_s / 1e12:.3f} TFLOP/s")
             if self.peak_share is not None:
-                line += f", {100 * self.peak_share:.1f}% of the measured matmul peak ({self.peak_flops / 1e12:.1f} TFLOP/s)"
+                line += (f", {100 * self.peak_share:.1f}% of the measured matmul peak "
+                         f"({self.peak_flops / 1e12:.1f} TFLOP/s)")
             lines.append(line)
         return "\n".join(lines)
 

@@ -255,6 +255,20 @@ def test_gradients_added_across_replays_are_right_or_an_error(device):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
 
 
+def _eager_losses(model, opt, loss_fn, x, target, steps, sched=None):
+    """The losses of `steps` eager training steps on one batch (the scheduler, if any, stepped after each)."""
+    losses = []
+    for _ in range(steps):
+        loss = loss_fn(model(x), target)
+        losses.append(loss.detach())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    return losses
+
+
 @pytest.mark.parametrize("graphs", ["compiled", "step", "off"])
 @pytest.mark.parametrize("groups", ["plain", "param_groups"])
 def test_compile_step_trains_as_eager_adamw_in_every_cuda_graph_mode(device, graphs, groups):
@@ -272,14 +286,7 @@ def test_compile_step_trains_as_eager_adamw_in_every_cuda_graph_mode(device, gra
                                  weight_decay=0.0)
 
     eager = _tensorized_net(device)
-    opt = optimizer(eager)
-    ref_losses = []
-    for _ in range(8):
-        loss = loss_fn(eager(x), target)
-        ref_losses.append(loss.detach())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    ref_losses = _eager_losses(eager, optimizer(eager), loss_fn, x, target, 8)
     model = _tensorized_net(device)
     step = cc.compile_step(model, loss_fn, optimizer(model), cuda_graphs=graphs)
     with CudaGraphCaptures() as captures:
@@ -304,15 +311,8 @@ def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
     loss_fn = nn.CrossEntropyLoss()
     eager = _tensorized_net(device)
     opt = torch.optim.SGD(eager.parameters(), lr=0.05, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8**i)
-    ref_losses = []
-    for _ in range(8):
-        loss = loss_fn(eager(x), target)
-        ref_losses.append(loss.detach())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8**i)
+    ref_losses = _eager_losses(eager, opt, loss_fn, x, target, 8, schedule)
     model = _tensorized_net(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.8**i)

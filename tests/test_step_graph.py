@@ -80,6 +80,17 @@ def _eager_step(model, opt):
     return step
 
 
+def _train_both(step, eager, batches, schedulers=()):
+    """Both steps over the batches, each scheduler stepped after every step: their losses, stacked."""
+    losses, ref_losses = [], []
+    for x, y in batches:
+        losses.append(step(x, y))
+        ref_losses.append(eager(x, y))
+        for sched in schedulers:
+            sched.step()
+    return torch.stack(losses), torch.stack(ref_losses)
+
+
 def _assert_same_params(model, ref):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
@@ -97,14 +108,8 @@ def test_whole_step_trains_as_the_eager_loop_under_a_schedule(monkeypatch, backe
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
     step, sim = _captured_step(monkeypatch, model, opt, backend=backend)
-    eager = _eager_step(ref, ref_opt)
-    losses, ref_losses = [], []
-    for x, y in batches:
-        losses.append(step(x, y))
-        ref_losses.append(eager(x, y))
-        sched.step()
-        ref_sched.step()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+    losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches, (sched, ref_sched))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     g = step.graph
     assert (g.warmups, g.captures, g.replays) == (2, 1, 6) and sim.captured == 1
@@ -214,16 +219,10 @@ def test_a_setting_changed_every_step_is_said_not_left_uncaptured(monkeypatch, f
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
     step, _ = _captured_step(monkeypatch, model, opt)
-    eager = _eager_step(ref, ref_opt)
-    losses, ref_losses = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for x, y in batches:
-            losses.append(step(x, y))
-            ref_losses.append(eager(x, y))
-            sched.step()
-            ref_sched.step()
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
+        losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches, (sched, ref_sched))
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     said = [str(w.message) for w in caught if "cuda_graphs='step'" in str(w.message)]
     if foreach:

@@ -142,7 +142,8 @@ def test_summarize_counts_device_kernels_and_host_launches():
 
     events = [e for t in (0, 5000) for e in (
         event("cudaGraphLaunch", DeviceType.CPU), event("cudaLaunchKernel", DeviceType.CPU),
-        event("nvjet_tst_64x8", DeviceType.CUDA, t, t + 300), event("triton_poi_fused_0", DeviceType.CUDA, t + 200, t + 500),
+        event("nvjet_tst_64x8", DeviceType.CUDA, t, t + 300),
+        event("triton_poi_fused_0", DeviceType.CUDA, t + 200, t + 500),
         event("Memcpy HtoD (Pageable -> Device)", DeviceType.CUDA, t + 1000, t + 1100))]
     s = summarize(events, "cuda", steps=2)
     assert s["launches"] == 1 and s["graphs"] == 1 and s["kernels"] == 3
