@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 __all__ = ["breakdown", "StepBreakdown", "count_flops", "FlopCount", "matmul_peak", "kernel_category",
-           "busy_time", "call_ms"]
+           "busy_time", "call_ms", "summarize"]
 
 # Kernel and operator names of matrix products: cuBLAS (gemm, gemv, xmma/wgmma tensor-core kernels, nvjet,
 # cutlass templates, split-K reductions), Inductor's Triton matmul templates, and aten's product operators.
@@ -75,7 +75,7 @@ def count_flops(fn: Callable[[], Any], model: nn.Module | None = None) -> FlopCo
     `model`, also the FLOPs inside its TT layers.  Count an eager step: a compiled one hides its operators.
 
     The TT layers' share is counted by calling each layer again, alone, on an input like the one it had
-    (rows, dtype, grad and autocast modes, whether the input needed a gradient), forward and backward: the flop
+    (shape, dtype, grad and autocast modes, whether it needed a gradient), forward and backward: the flop
     counter's own split by module misplaces backward work between sibling layers that share an input."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -88,8 +88,10 @@ def count_flops(fn: Callable[[], Any], model: nn.Module | None = None) -> FlopCo
             x = args[0]
             kind = x.device.type
             autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-            calls.append((module, x.detach().clone().requires_grad_(x.requires_grad), torch.is_grad_enabled(),
-                          autocast))
+            # the FLOPs of a float input do not depend on its values (a new tensor, not a kept copy of every
+            # activation); an embedding's indices choose its plan, so those are kept
+            like = (torch.randn_like(x) if x.is_floating_point() else x.detach().clone())
+            calls.append((module, like.requires_grad_(x.requires_grad), torch.is_grad_enabled(), autocast))
         handles = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, TTLayer)]
     try:
         with FlopCounterMode(display=False) as counter:
@@ -164,7 +166,7 @@ class StepBreakdown:
     device: str
     step_ms: float                 # median step time, CUDA events (host clock on the CPU), profiler off
     busy_ms: float                 # time some kernel (operator, on the CPU) was running, under the profiler
-    kernels: float                 # kernels that ran (inside CUDA graphs too); CPU: outermost operators
+    kernels: float                 # kernels and copies that ran (inside CUDA graphs too); CPU: outermost operators
     launches: float = 0.0          # kernel launches from the host (each a launch gap); CUDA only
     graphs: float = 0.0            # CUDA graph launches; CUDA only
     categories: dict[str, dict[str, float]] = field(default_factory=dict)   # category -> {"ms", "count"}
