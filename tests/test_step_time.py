@@ -94,6 +94,25 @@ def test_count_flops_of_tt_layers_matches_the_planners_costs():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
+@settings(max_examples=25, deadline=None)
+@given(n_in=st.integers(16, 300), n_out=st.integers(16, 300), rank=st.integers(2, 12), rows=st.integers(1, 64),
+       input_grad=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_count_flops_of_a_tt_layer_is_its_plans_forward_and_training_flops(n_in, n_out, rank, rows, input_grad,
+                                                                           dtype):
+    """torch's flop counter on the products a TT layer runs equals the contraction planner's own count, forward
+    and forward + backward (with or without the input's gradient), for any shape, rank and dtype.  (At rank 1
+    the two differ by convention: a product over a bond of size 1 is an outer product, mn multiplications to
+    the planner and 2mn to torch's counter.)"""
+    torch.manual_seed(0)
+    layer = TTLinear(n_in, n_out, rank=rank).to(dtype)
+    x = torch.randn(rows, n_in, dtype=dtype, requires_grad=input_grad)
+    with torch.no_grad():
+        forward = cc.count_flops(lambda: layer(x), model=layer)
+    training = cc.count_flops(lambda: layer(x).sum().backward(), model=layer)
+    assert forward.total == forward.tt_layers == layer.plan(rows, training=False).flops
+    assert training.total == training.tt_layers == layer.plan(rows, True, input_grad).training_flops
+
+
 def test_breakdown_counts_the_operators_a_cpu_step_calls():
     """Forward of three bias-free linear layers and two ReLUs under no_grad: three matrix products and two
     other operators per step (the outermost aten operator of each call), busy time within the profiled steps,
