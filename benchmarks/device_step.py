@@ -9,7 +9,9 @@ bfloat16 autocast.  Variants, all in one process:
 - CoMERA: tensorized, cc.compile_step with backend "comera": its default (each compiled block replayed by
   Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step captured as one CUDA graph
   (cuda_graphs="step"), CUDA Graphs off, and the default with every TT linear layer contracted in the
-  reference implementation's fixed order.
+  reference implementation's fixed order; on CUDA also the whole step compiled as one function with its
+  backward traced by compiled autograd (Inductor's graph trees over all of it: compiled_autograd_step).
+  A variant whose first call fails is reported in the row ("<variant> error") and left out.
 
 First, each variant alone: its first call (compiles included, in this process: later variants find
 Inductor's caches warmer) and its peak device memory over its first three steps (the steps that record
@@ -42,7 +44,7 @@ from .common import eager_step
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
 __all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS",
-           "breakdown_cells"]
+           "breakdown_cells", "compiled_autograd_step"]
 
 MIB = 2.0**20
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -152,6 +154,10 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
     def tensorized() -> nn.Module:
         return cc.tensorize(copy_of(dense), preset="comera-six-encoder", inplace=True)
 
+    if cuda:
+        m = tensorized()
+        opt = adamw(m)
+        out["CoMERA, compiled autograd"] = (m, opt, compiled_autograd_step(m, loss_fn, opt, dtype))
     for name, backend, graphs in (("CoMERA", "comera", None),
                                   ("CoMERA, whole-step graph", "comera", "step"),
                                   ("CoMERA, CUDA Graphs off", "comera", "off"),
@@ -163,6 +169,34 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype)
         out[name] = (m, opt, _in_fixed_order(step) if name.endswith("fixed order") else step)
     return out
+
+
+def compiled_autograd_step(model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
+                           dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
+    """The third mechanism for replaying a whole step: the step (forward, loss, backward, optimizer step,
+    zero_grad) as one torch.compile'd function with backend "comera", its backward traced by compiled
+    autograd, so that Inductor's CUDA Graph trees (the backend's default on CUDA) cover the forward, the
+    backward and the optimizer graphs.  The model is compiled whole, not block by block."""
+    from comera_compile.optim import prefer_fast_implementation
+
+    prefer_fast_implementation(optimizer)
+    device_type = next(model.parameters()).device.type
+
+    def step(*args: torch.Tensor) -> torch.Tensor:
+        *inputs, target = args
+        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(*inputs), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    compiled = torch.compile(step, backend="comera")
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            return compiled(*args).clone()   # a copy: a later replay may overwrite the graph's output
+    return run
 
 
 def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_name: str, quick: bool,
@@ -180,11 +214,19 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
         if galore and "GaLore" not in variants:
             row["note"] = ("GaLore left out: galore_torch does not import here (pip install galore-torch, which "
                            "needs bitsandbytes)")
-        for name, (model, opt, step) in variants.items():
+        for name, (model, opt, step) in list(variants.items()):
             _sync(device)
             t0 = time.perf_counter()
-            step(*args)
-            _sync(device)
+            try:
+                step(*args)
+                _sync(device)
+            except Exception as e:   # reported in the row: the other variants' figures still come
+                if name in ("dense compiled", "CoMERA"):
+                    raise
+                row[f"{name} error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                del variants[name]
+                torch._dynamo.reset()
+                continue
             row[f"{name} first s"] = time.perf_counter() - t0
             if device.type == "cuda":
                 peak = step_peak_bytes(lambda s=step: s(*args), model, opt, device)
@@ -202,11 +244,15 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
         row["CoMERA vs GaLore"] = ms["GaLore"] / comera
         if "GaLore MiB" in row:
             row["GaLore / CoMERA memory"] = row["GaLore MiB"] / row["CoMERA MiB"]
-    if "CoMERA, whole-step graph" in ms:
-        row["whole-step vs per-block graphs"] = ms["CoMERA"] / ms["CoMERA, whole-step graph"]
-        row["whole-step graph vs graphs off"] = ms["CoMERA, CUDA Graphs off"] / ms["CoMERA, whole-step graph"]
-        row["per-block graphs vs graphs off"] = ms["CoMERA, CUDA Graphs off"] / ms["CoMERA"]
-    row["fixed order vs ours"] = ms["CoMERA, fixed order"] / ms["CoMERA"]
+    for key, slower, faster in (("whole-step vs per-block graphs", "CoMERA", "CoMERA, whole-step graph"),
+                                ("whole-step graph vs graphs off", "CoMERA, CUDA Graphs off",
+                                 "CoMERA, whole-step graph"),
+                                ("whole-step graph vs compiled autograd", "CoMERA, compiled autograd",
+                                 "CoMERA, whole-step graph"),
+                                ("per-block graphs vs graphs off", "CoMERA, CUDA Graphs off", "CoMERA"),
+                                ("fixed order vs ours", "CoMERA, fixed order", "CoMERA")):
+        if slower in ms and faster in ms:
+            row[key] = ms[slower] / ms[faster]
     row["dense params"] = sum(p.numel() for p in variants["dense eager"][0].parameters())
     row["CoMERA params"] = sum(p.numel() for p in variants["CoMERA"][0].parameters())
     del variants
@@ -338,6 +384,7 @@ def format_rows(rows: list[dict]) -> str:
             launches = f", {r[n + ' launches']:.0f} launches" if f"{n} launches" in r else ""
             lines.append(f"  {n:<26} {r[n + ' ms']:9.2f} ms{mem}{launches}, first call {r[n + ' first s']:.1f} s"
                          + breakdown_text(r.get(f"{n} breakdown")))
+        lines += [f"  {k[:-6]} failed: {v}" for k, v in r.items() if k.endswith(" error")]
         lines.append(f"  {ratio_text(r)}; best CoMERA: {r['best CoMERA']}; "
                      f"params {r['dense params']:,} -> {r['CoMERA params']:,}")
     return "\n".join(lines)

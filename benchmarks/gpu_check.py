@@ -124,6 +124,7 @@ def report_markdown(report: dict[str, Any]) -> str:
                                   f"({row['precision']}, a square product, cc.matmul_peak); FLOPs per step from "
                                   f"cc.count_flops (dense {_gflop(row, 'dense eager')}, CoMERA "
                                   f"{_gflop(row, 'CoMERA')} GFLOP)."]
+                lines += [f"| {k[:-6]} | failed: {v} | | | | | | | | |" for k, v in row.items() if k.endswith(" error")]
                 ratios = [f"{k} **{row[k]:.2f}x**" for k in row if k.startswith(RATIO_KEYS)]
                 lines += ["", "; ".join(ratios) + f" (best CoMERA: {row.get('best CoMERA')}).", ""]
                 if row.get("note"):

@@ -298,6 +298,7 @@ def test_gpu_check_report_shows_every_variant_and_ratio():
            "dense eager first s": 1.0, "dense eager MiB": 900.0, "CoMERA first s": 30.0, "CoMERA MiB": 100.0,
            "dense eager ms": 12.0, "CoMERA ms": 4.0, "CoMERA launches": 212.0, "dense eager launches": 640.0,
            "CoMERA vs dense eager": 3.0, "best CoMERA": "CoMERA", "matmul peak TFLOP/s": 400.0,
+           "CoMERA, compiled autograd error": "RuntimeError: boom",
            "CoMERA breakdown": {"step_ms": 4.0, "busy_ms": 3.0, "idle_ms": 1.0, "kernels": 300.0,
                                 "categories": {"matmul": {"ms": 1.5, "count": 90.0}}, "flops": {"total": 4e9},
                                 "flops_per_s": 1e12, "peak_share": 1e12 / 400e12}}
@@ -311,6 +312,7 @@ def test_gpu_check_report_shows_every_variant_and_ratio():
     assert "| CoMERA | 4.00 | 212 | 300 | 25% | 50% | 1.00 | 0.2% | 100.0 | 30.0 |" in md
     assert "| dense eager | 12.00 | 640 | - | - | - | - | - | 900.0 | 1.0 |" in md
     assert "400.0 TFLOP/s (bf16" in md and "CoMERA 4.00 GFLOP" in md
+    assert "| CoMERA, compiled autograd | failed: RuntimeError: boom |" in md
     assert "CoMERA vs dense eager **3.00x** (best CoMERA: CoMERA)" in md
     assert "3 passed, 1 failed" in md and "`test_x` boom" in md and "NVIDIA H100" in md
 
@@ -352,3 +354,33 @@ def test_ra_teachers_cases_have_the_teachers_ranks_and_a_frontier():
     assert row["frontier"][0]["size"] < row["size"] <= row["frontier"][1]["size"]
     assert row["best_uniform"]["rank"] == 16
     assert "found (1, " in T.format_rows([row])
+
+
+def test_compiled_autograd_step_trains_as_eager_adamw():
+    """The device bench's third whole-step mechanism (the step compiled as one function, its backward traced
+    by compiled autograd) computes the eager AdamW steps."""
+    import copy
+
+    import comera_compile as cc
+    from comera_compile.benchmarks.device_step import compiled_autograd_step
+
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 5)), rank=4, min_features=16)
+    eager = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, target = torch.randn(8, 32, generator=g), torch.randint(0, 5, (8,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    ref = []
+    for _ in range(3):
+        loss = loss_fn(eager(x), target)
+        ref.append(float(loss))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    step = compiled_autograd_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2), None)
+    got = [float(step(x, target)) for _ in range(3)]
+    torch._dynamo.reset()
+    assert got == pytest.approx(ref, rel=1e-4)
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
