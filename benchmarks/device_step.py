@@ -326,10 +326,11 @@ def resolve_device(name: str | torch.device) -> torch.device:
 
 
 def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple[int, ...] | None = None,
-        seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("fp32", "bf16")
-        ) -> list[dict]:
-    """A row per (precision, batch).  Defaults: on CUDA batches 1, 8, 32 x 128 and 6 layers (quick: 1 and 8,
-    2 layers); on the CPU batches 1 and 2 x 32, 1 layer (the code paths, not the paper's sizes)."""
+        seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("fp32", "bf16"),
+        on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """A row per (precision, batch), each handed to `on_row` as soon as it is measured.  Defaults: on CUDA
+    batches 1, 8, 32 x 128 and 6 layers (quick: 1 and 8, 2 layers); on the CPU batches 1 and 2 x 32, 1 layer
+    (the code paths, not the paper's sizes)."""
     device = resolve_device(device)
     cuda = device.type == "cuda"
     if batches is None:
@@ -338,9 +339,14 @@ def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple
     layers = layers if layers is not None else ((2 if quick else 6) if cuda else 1)
     # GaLore at batch 1 only: its own claim (2x slower, 9x more memory than CoMERA) is at batch 1; the whole
     # model compiled with compiled autograd (a long compile) at the smallest batch only
-    return [step_row(b, seq, layers, device, p, quick or not cuda, galore=b == min(batches),
-                     whole_compile=b == min(batches))
-            for p in precisions for b in batches]
+    rows = []
+    for p in precisions:
+        for b in batches:
+            rows.append(step_row(b, seq, layers, device, p, quick or not cuda, galore=b == min(batches),
+                                 whole_compile=b == min(batches)))
+            if on_row is not None:
+                on_row(rows[-1])
+    return rows
 
 
 RATIO_KEYS = ("CoMERA vs", "whole-step", "per-block", "fixed order vs", "GaLore /")
@@ -402,11 +408,17 @@ if __name__ == "__main__":
     p.add_argument("--quick", action="store_true")
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(PRECISIONS))
     p.add_argument("--batches", nargs="+", type=int, default=None, help="batch sizes (default: 1 8 32 on CUDA)")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file (after each row, so a "
+                                                   "run cut short keeps the rows it finished)")
     args = p.parse_args()
-    rows = run(quick=args.quick, device=args.device, batches=tuple(args.batches) if args.batches else None,
-               precisions=tuple(args.precisions))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
-    print(format_rows(rows))
+    done: list[dict] = []
+
+    def write(row: dict) -> None:
+        done.append(row)
+        print(format_rows([row]), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(done, f, indent=1, default=str)
+
+    run(quick=args.quick, device=args.device, batches=tuple(args.batches) if args.batches else None,
+        precisions=tuple(args.precisions), on_row=write)
