@@ -7,6 +7,8 @@ torch's modules.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from typing import Sequence
 
@@ -57,7 +59,8 @@ class _PairRows(torch.autograd.Function):
         gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
         # In the cores' dtype, as the forward's bmm(out=...) ran: a backward called inside an autocast
         # region would otherwise get lower-precision products that index_add_ refuses to add.
-        with torch.autocast(grad.device.type, enabled=False):
+        kind = grad.device.type
+        with torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else contextlib.nullcontext():
             for start in range(0, ia.shape[0], ctx.chunk):
                 sl = slice(start, start + ctx.chunk)
                 g = grad[sl].to(a.dtype)
