@@ -70,7 +70,8 @@ class LayerProfile:
         device = self.device_busy_ms > 0
         head = ("layer", "kind", "calls/step", "forward ms", "backward ms", "total ms", "% of step")
         if device:   # on CUDA the host's time says little: the kernels' time is what the step waits for
-            head = ("layer", "kind", "calls/step", "forward ms", "backward ms", "total ms", "% of device busy")
+            head = ("layer", "kind", "calls/step", "forward kernel ms", "backward kernel ms", "total kernel ms",
+                    "% of device busy")
         key = (lambda t: -t.total_device_ms) if device else (lambda t: -t.total_ms)
         rows = []
         for t in sorted(self.layers, key=key):
