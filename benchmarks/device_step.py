@@ -181,18 +181,7 @@ def compiled_autograd_step(model: nn.Module, loss_fn: nn.Module, optimizer: torc
     from comera_compile.optim import prefer_fast_implementation
 
     prefer_fast_implementation(optimizer)
-    device_type = next(model.parameters()).device.type
-
-    def step(*args: torch.Tensor) -> torch.Tensor:
-        *inputs, target = args
-        with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
-            loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    compiled = torch.compile(step, backend="comera")
+    compiled = torch.compile(eager_step(model, optimizer, loss_fn, dtype), backend="comera")
 
     def run(*args: torch.Tensor) -> torch.Tensor:
         with torch._dynamo.config.patch(compiled_autograd=True):
