@@ -13,7 +13,8 @@ from torch import nn
 from comera_compile import networks
 from comera_compile.tt import TTSpec, gemm_spec
 
-__all__ = ["Measurement", "compare", "format_flat_rows", "eager_step", "fixed_order_plan"]
+__all__ = ["Measurement", "compare", "format_flat_rows", "eager_step", "compiled_autograd_step",
+           "fixed_order_plan"]
 
 
 @dataclass
@@ -76,6 +77,23 @@ def eager_step(model: nn.Module, opt: torch.optim.Optimizer, loss_fn: nn.Module,
         opt.zero_grad(set_to_none=True)
         return loss.detach()
     return step
+
+
+def compiled_autograd_step(model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
+                           dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
+    """The third mechanism for replaying a whole step: the step (forward, loss, backward, optimizer step,
+    zero_grad) as one torch.compile'd function with backend "comera", its backward traced by compiled
+    autograd, so that Inductor's CUDA Graph trees (the backend's default on CUDA) cover the forward, the
+    backward and the optimizer graphs.  The model is compiled whole, not block by block."""
+    from comera_compile.optim import prefer_fast_implementation
+
+    prefer_fast_implementation(optimizer)
+    compiled = torch.compile(eager_step(model, optimizer, loss_fn, dtype), backend="comera")
+
+    def run(*args: torch.Tensor) -> torch.Tensor:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            return compiled(*args).clone()   # a copy: a later replay may overwrite the graph's output
+    return run
 
 
 def fixed_order_plan(spec: TTSpec, rows: int, input_requires_grad: bool = True) -> networks.Plan:

@@ -10,8 +10,8 @@ bfloat16 autocast.  Variants, all in one process:
   Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step captured as one CUDA graph
   (cuda_graphs="step"), CUDA Graphs off, and the default with every TT linear layer contracted in the
   reference implementation's fixed order; on CUDA also the whole step compiled as one function with its
-  backward traced by compiled autograd (Inductor's graph trees over all of it: compiled_autograd_step), at
-  the smallest batch only (the whole model is one long compile).
+  backward traced by compiled autograd (Inductor's graph trees over all of it:
+  common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
   A variant whose first call fails is reported in the row ("<variant> error") and left out.
 
 First, each variant alone: its first call (compiles included, in this process: later variants find
@@ -41,11 +41,11 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 
-from .common import eager_step
+from .common import compiled_autograd_step, eager_step
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
 __all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS",
-           "breakdown_cells", "compiled_autograd_step"]
+           "breakdown_cells"]
 
 MIB = 2.0**20
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
@@ -170,23 +170,6 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype)
         out[name] = (m, opt, _in_fixed_order(step) if name.endswith("fixed order") else step)
     return out
-
-
-def compiled_autograd_step(model: nn.Module, loss_fn: nn.Module, optimizer: torch.optim.Optimizer,
-                           dtype: torch.dtype | None) -> Callable[..., torch.Tensor]:
-    """The third mechanism for replaying a whole step: the step (forward, loss, backward, optimizer step,
-    zero_grad) as one torch.compile'd function with backend "comera", its backward traced by compiled
-    autograd, so that Inductor's CUDA Graph trees (the backend's default on CUDA) cover the forward, the
-    backward and the optimizer graphs.  The model is compiled whole, not block by block."""
-    from comera_compile.optim import prefer_fast_implementation
-
-    prefer_fast_implementation(optimizer)
-    compiled = torch.compile(eager_step(model, optimizer, loss_fn, dtype), backend="comera")
-
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        with torch._dynamo.config.patch(compiled_autograd=True):
-            return compiled(*args).clone()   # a copy: a later replay may overwrite the graph's output
-    return run
 
 
 def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_name: str, quick: bool,

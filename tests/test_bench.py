@@ -362,7 +362,7 @@ def test_compiled_autograd_step_trains_as_eager_adamw():
     import copy
 
     import comera_compile as cc
-    from comera_compile.benchmarks.device_step import compiled_autograd_step
+    from comera_compile.benchmarks.common import compiled_autograd_step
 
     torch.manual_seed(0)
     model = cc.tensorize(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 5)), rank=4, min_features=16)
