@@ -280,6 +280,10 @@ def breakdown(step: Callable[[], Any], *, device: str | torch.device | None = No
             step()
         _sync(device)
     figures = summarize(prof.events(), device.type, steps)
+    if device.type == "cuda" and not figures["kernels"]:
+        raise ValueError("breakdown(device='cuda'): no kernel ran on the GPU during the profiled steps (or torch's "
+                         "profiler recorded no CUDA activity here); a step on the CPU is broken down with "
+                         "device='cpu'")
     if isinstance(flops, int):
         flops = FlopCount(flops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

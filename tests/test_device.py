@@ -393,6 +393,15 @@ def test_profile_gives_each_tt_layer_its_kernel_time(device, compiled):
     assert "% of device busy" in str(prof)
 
 
+def test_breakdown_of_a_cpu_step_on_a_gpu_machine_says_so(device):
+    """Where CUDA is the default device but the step runs on the CPU, breakdown refuses rather than report an
+    all-idle GPU."""
+    needs_cuda(device, "a GPU beside the CPU")
+    model = nn.Linear(32, 32)
+    with pytest.raises(ValueError, match="no kernel ran on the GPU"):
+        cc.breakdown(lambda: model(torch.randn(8, 32)), steps=1, repeat=1)
+
+
 def test_hash_dropout_keep_rate_and_mask_agreement(device):
     """Compiled dropout (hash masks in the generated kernels: Triton on CUDA, C++ on the CPU) keeps 1 - p of
     the elements, scales them by 1 / (1 - p), and the backward lets the gradient through exactly where the
