@@ -289,15 +289,8 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
                                              "dropout": cfg.dropout},
         "corpus": corpus_info,
         "dense_params": {"encoder": dense_encoder, "model": dense_total},
-        "threads": torch.get_num_threads(),
-        "processes": world.size,
-        "device": torch.cuda.get_device_name(device) if cfg.device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **demo_report.environment(world.size, device),
         "runs": runs,
     }
-    result["summary"] = demo_report.summarize(result)
-    result["wall_time_s"] = time.perf_counter() - t_start
-    if not world.main:
-        return result
-    demo_report.write_outputs(result, out, demo_report.format_table, demo_report.plot, log)
-    return result
+    return demo_report.finish(result, demo_report.summarize, world.main, out, t_start, demo_report.format_table,
+                              demo_report.plot, log)

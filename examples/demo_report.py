@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["reach_time", "summarize", "format_table", "plot", "write_outputs"]
+__all__ = ["reach_time", "summarize", "format_table", "plot", "write_outputs", "environment", "finish"]
 
 
 def reach_time(evals: list[dict[str, Any]], target: float, key: str = "time_s") -> float | None:
@@ -178,3 +178,26 @@ def write_outputs(result: dict[str, Any], out: Path, format_table: Callable[[dic
     log("")
     for key, p in paths.items():
         log(f"{key:>5}: {p}")
+
+
+def environment(processes: int, device: Any) -> dict[str, Any]:
+    """Where a run ran, for its results.json: intra-op threads, processes, the device's name, torch's version."""
+    import torch
+
+    return {"threads": torch.get_num_threads(), "processes": processes,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
+def finish(result: dict[str, Any], summarize: Callable[[dict[str, Any]], dict[str, Any]], main: bool, out: Path,
+           t_start: float, format_table: Callable[[dict[str, Any]], str],
+           plot: Callable[[dict[str, Any], Path], None], log: Callable[[str], None]) -> dict[str, Any]:
+    """A run's summary and wall time into result; on the main process, its table, plot and JSON written
+    (write_outputs).  Returns result."""
+    import time
+
+    result["summary"] = summarize(result)
+    result["wall_time_s"] = time.perf_counter() - t_start
+    if main:
+        write_outputs(result, out, format_table, plot, log)
+    return result

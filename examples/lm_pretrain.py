@@ -122,15 +122,8 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
                  "train_tokens": data.train_tokens(), "val_blocks": int(val.shape[0]),
                  "val_tokens": int(val.shape[0] * (cfg.seq_len - 1))},
         "dense_params": dense_params,
-        "threads": torch.get_num_threads(),
-        "processes": world.size,
-        "device": torch.cuda.get_device_name(device) if cfg.device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        **demo_report.environment(world.size, device),
         "runs": runs,
     }
-    result["summary"] = lm_report.summarize(result)
-    result["wall_time_s"] = time.perf_counter() - t_start
-    if not world.main:
-        return result
-    demo_report.write_outputs(result, out, lm_report.format_table, lm_report.plot, log)
-    return result
+    return demo_report.finish(result, lm_report.summarize, world.main, out, t_start, lm_report.format_table,
+                              lm_report.plot, log)
