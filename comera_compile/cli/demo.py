@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from comera_compile.cli.launch import given_options, train
+from comera_compile.cli.launch import add_config_options, given_options, train
 
 CUDA_DEMO_BATCH = 32   # demo --device cuda: the paper's MNLI batch, unless --batch says otherwise
 
@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                    f"rank {v.rank}" for k, v in SIZES.items())
                         + f" (default {defaults.size})")
     # (option, type, what it sets), each a DemoConfig field; the default shown is the demo preset's.
-    for flag, kind, what in (
+    add_config_options(d, (
             ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
             ("--steps", int, "training steps per model (alone: the budget; with --minutes: a cap)"),
             ("--batch", int, "sequences per step"),
@@ -62,11 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--evals", int, "held-out evaluations per model, at equal marks of the budget"),
             ("--eval-blocks", int, "held-out blocks evaluated"),
             ("--seed", int, "seed of split, init, data order, masks"),
-            ("--max-bytes", int, "training text read, in bytes")):
-        default = getattr(defaults, flag[2:].replace("-", "_"))
-        shown = "" if default is None or "default" in what else f" (default {default:g})" if isinstance(
-            default, float) else f" (default {default})"
-        d.add_argument(flag, type=kind, default=None, help=what + shown)
+            ("--max-bytes", int, "training text read, in bytes")), defaults)
     d.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     d.add_argument("--dense-backend", choices=("inductor", "eager"), default=None,
                    help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "

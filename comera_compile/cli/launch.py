@@ -30,6 +30,19 @@ def given_options(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str,
     return given
 
 
+def add_config_options(parser: argparse.ArgumentParser, options: tuple[tuple[str, type, str], ...],
+                       defaults: Any = None) -> None:
+    """Options that each set one config field of the same name, from (flag, type, help) rows, default None
+    (the preset's value).  With `defaults` (a config object), a help that names no default ends with the
+    field's."""
+    for flag, kind, what in options:
+        shown = ""
+        value = getattr(defaults, flag[2:].replace("-", "_")) if defaults is not None else None
+        if value is not None and "default" not in what:
+            shown = f" (default {value:g})" if isinstance(value, float) else f" (default {value})"
+        parser.add_argument(flag, type=kind, default=None, help=what + shown)
+
+
 def launch(nproc: int, argv: list[str], device: str, command: str) -> int:
     """The same command under torchrun on `nproc` local processes (its options but --nproc)."""
     import subprocess

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from comera_compile.cli.launch import given_options, train
+from comera_compile.cli.launch import add_config_options, given_options, train
 
 # Options of `pretrain` that map one to one onto PretrainConfig fields (None: the preset's value).
 _PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "seq_len", "vocab_size",
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-column", default=None, metavar="NAME", help="the text column of a dataset (default text)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="output directory (default: runs/pretrain-<YYYYmmdd-HHMMSS> under the current directory)")
-    for flag, kind, what in (
+    add_config_options(p, (
             ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
             ("--steps", int, "training steps per model (alone: the budget, and the schedule runs on steps; with "
                              "--minutes: a cap)"),
@@ -75,8 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--eval-blocks", int, "validation blocks evaluated (default: the preset's)"),
             ("--max-bytes", int, "training text read, in bytes (default 8,000,000)"),
             ("--val-fraction", float, "fraction of the documents held out for validation (default 0.05)"),
-            ("--seed", int, "seed of the initialisation and the batch order (default 0)")):
-        p.add_argument(flag, type=kind, default=None, help=what)
+            ("--seed", int, "seed of the initialisation and the batch order (default 0)")))
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads (default: the preset's; tiny: 1, the others: torch's, all cores)")
