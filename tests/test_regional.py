@@ -58,6 +58,18 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, VOCAB, (2, 32), generator=g), torch.randint(0, VOCAB, (2, 32), generator=g)
 
 
+def _eager_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, ra=None
+                ) -> torch.Tensor:
+    """One eager training step (RankAdaptive's step after it, if given): the reference loop; its loss."""
+    loss = _loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if ra is not None:
+        ra.step(loss.detach())
+    return loss.detach()
+
+
 def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
@@ -86,11 +98,7 @@ def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dyn
     for i in range(2):
         x, y = _batch(i)
         got = step(x, y)
-        want = _loss(eager(x), y)
-        want.backward()
-        eager_opt.step()
-        eager_opt.zero_grad()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, _eager_step(eager, eager_opt, x, y), rtol=1e-4, atol=1e-5)
     assert _graphs() == 1
     assert eager_blocks(model) == {}
 
@@ -296,13 +304,57 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
     for i in range(6):
         x, y = _batch(i)
         got = step(x, y)
-        want = _loss(ref(x), y)
-        want.backward()
-        ref_opt.step()
-        ref_opt.zero_grad(set_to_none=True)
-        ref_ra.step(want.detach())
-        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, _eager_step(ref, ref_opt, x, y, ref_ra), rtol=1e-4, atol=1e-5)
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
     assert _graphs() == 1 and eager_blocks(model) == {}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile_blocks"])
+def test_a_12_layer_decoder_backward_inside_bf16_autocast_matches_outside(family, compiled, fresh_dynamo):
+    """`with torch.autocast("cpu", dtype=torch.bfloat16): loss.backward()` -- the loop some users write -- on a
+    tensorized 12-layer decoder at tensorize's defaults (TT embedding included), eager and with the blocks
+    compiled by "comera": the gradients are those of the backward called outside the region, within bf16's
+    rounding."""
+    from comera_compile.embedding import TTEmbedding
+
+    model = _model(family)
+    assert any(isinstance(m, TTEmbedding) for m in model.modules())
+    if compiled:
+        cc.compile_blocks(model)
+    x, y = (t[:1, :4] for t in _batch(0))   # few tokens: the embedding multiplies its cores' slices per row
+    grads = []
+    for inside in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model(x), y)
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(grads[0]) == len(grads[1]) > 0
+    for outside, inside in zip(*grads):
+        assert inside.dtype == outside.dtype
+        assert (inside - outside).norm() <= 2e-2 * outside.norm() + 1e-6
+
+
+def test_count_flops_of_a_12_layer_llama_splits_its_tt_layers_from_the_rest():
+    """cc.count_flops on a tensorized 12-layer Llama at tensorize's defaults, forward under no_grad: its TT
+    share is every TT linear's planned cost plus the TT embedding's own count.  (Llama's attention runs
+    through SDPA, whose CPU kernel torch's counter does not count: here the total is the TT share.)"""
+    from comera_compile.embedding import TTEmbedding
+    from comera_compile.layers import TTLinear
+
+    model = _model("llama")
+    x, _ = _batch(0)
+    rows = x.numel()
+    with torch.no_grad():
+        counted = cc.count_flops(lambda: model(x), model=model)
+        embeddings = [m for m in model.modules() if isinstance(m, TTEmbedding)]
+        lookups = sum(cc.count_flops(lambda m=m: m(x), model=m).total for m in embeddings)
+    linears = [m for m in model.modules() if isinstance(m, TTLinear)]
+    assert len(linears) >= 7 * LAYERS
+    assert counted.tt_layers == sum(m.flops(rows) for m in linears) + lookups <= counted.total
