@@ -45,19 +45,21 @@ _COMERA_LRS = {"comera_lr": 2e-3, "comera_core_lr": 1e-3, "comera_gate_lr": 1e-2
 # Per preset, the PretrainConfig fields that differ from its defaults.  The papers train the dense model at
 # lr 1e-3, GaLore at lr 1e-2 with scale 0.25 and rank 128 / 256 / 256, on batches of 512 x 256 tokens; here
 # the batch is scaled down to what one machine runs (32; 4 for tiny) and those learning rates are kept.
-# tiny runs on one thread: on a shared 2-core machine two OpenMP threads stall each other whenever another
-# process takes a core, and CoMERA's many small kernels suffer most (median step at batch 8 x 256: 0.54 s on
-# one thread, 4.4 s on two under load; dense 1.46 s and 1.78 s).
+# The larger presets read up to 64 MB of text, the whole default corpus (the standard library's source, about
+# 30 MB and 9M tokens here; 8 MB is 2.3M tokens, under 300 steps of 32 x 256): their budgets would otherwise
+# pass over it many times.  tiny runs on one thread: on a shared 2-core machine two OpenMP threads stall each
+# other whenever another process takes a core, and CoMERA's many small kernels suffer most (median step at
+# batch 8 x 256: 0.54 s on one thread, 4.4 s on two under load; dense 1.46 s and 1.78 s).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"minutes": 2.5, "batch": 4, "rank": 64, "galore_rank": 128, "lr": 1e-3,
              **_COMERA_LRS, "comera_core_lr": 5e-4,
              "galore_lr": 1e-2, "warmup_steps": 20, "eval_blocks": 64, "threads": 1},
     "60m": {"minutes": 30.0, "batch": 32, "rank": 16, "galore_rank": 128, "lr": 1e-3, **_COMERA_LRS,
-            "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
+            "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256, "max_bytes": 64_000_000},
     "130m": {"minutes": 60.0, "batch": 32, "rank": 24, "galore_rank": 256, "lr": 1e-3, **_COMERA_LRS,
-             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
+             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256, "max_bytes": 64_000_000},
     "350m": {"minutes": 120.0, "batch": 32, "rank": 32, "galore_rank": 256, "lr": 1e-3, **_COMERA_LRS,
-             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256},
+             "galore_lr": 1e-2, "warmup_steps": 200, "eval_blocks": 256, "max_bytes": 64_000_000},
 }
 
 

@@ -29,7 +29,7 @@ from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import World, from_env, run_in_world
 from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaShape, PretrainConfig, preset
 from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss, decoder_params, evaluate,
-                                              galore_optimizer, lr_factor, total_params, train_one)
+                                              galore_optimizer, lr_factor, passes, total_params, train_one)
 
 __all__ = ["METHODS", "SHAPES", "PRESETS", "PretrainConfig", "LlamaShape", "DemoError", "preset", "lr_factor",
            "Schedule", "build_model", "causal_lm_loss", "evaluate", "batches", "train_one", "run", "decoder_params",
@@ -87,8 +87,12 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
         pick = torch.randperm(val.shape[0], generator=torch.Generator().manual_seed(cfg.seed + 1))
         val = val[pick[: cfg.eval_blocks].sort().values]
     device = world.device(cfg.device)
-    log(f"data: {data.source}; {data.train.shape[0]:,} training blocks, {val.shape[0]} of the "
-        f"{data.val.shape[0]:,} validation blocks evaluated")
+    log(f"data: {data.source}; {data.train.shape[0]:,} training blocks ({data.train_tokens():,} tokens), "
+        f"{val.shape[0]} of the {data.val.shape[0]:,} validation blocks evaluated")
+    if cfg.steps is not None and passes(cfg.steps, data.train.shape[0], cfg.batch) > 1:
+        log(f"note: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} tokens make "
+            f"{passes(cfg.steps, data.train.shape[0], cfg.batch):.1f} passes over the training text: batches "
+            f"repeat; give more text (--data, --max-bytes) to compare on one pass")
     methods = [m for m in METHODS if m in cfg.methods]
     budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
     where = (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")
@@ -110,7 +114,8 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
                 f"{cfg.rank}")
         first = runs.get(methods[0])
         eval_tokens = (first["tokens"],) if first is not None else ()
-        runs[method] = train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world)
+        runs[method] = train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
+                                 log=log)
         del model
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)

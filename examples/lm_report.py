@@ -85,6 +85,8 @@ def format_table(result: dict[str, Any]) -> str:
             return f"{r['time_s']:.0f} s"
         if key == "steps":
             return f"{r['steps']:,} / {r['tokens']:,}"
+        if key == "passes":
+            return "n/a" if r.get("passes") is None else f"{r['passes']:.2f}"
         if key == "step":
             return f"{r['median_step_s'] * 1e3:.0f} ms" + ("" if first else f" ({m['step_speedup']:.2f}x {b}'s speed)")
         if key == "tps":
@@ -123,13 +125,15 @@ def format_table(result: dict[str, Any]) -> str:
                 return f"{r['time_s']:.0f} s (its end)"
             if m["reach_s"] is None:
                 return "not reached"
-            return f"{m['reach_s']:.0f} s ({100 * m['reach_fraction']:.0f}% of {b}'s time), {m['reach_tokens']:,.0f} tokens"
+            return (f"{m['reach_s']:.0f} s ({100 * m['reach_fraction']:.0f}% of {b}'s time), "
+                    f"{m['reach_tokens']:,.0f} tokens")
         raise KeyError(key)
 
     rows = [
         ("execution", "execution"),
         ("training time (compiles included, evaluations not)", "time"),
         ("steps / tokens", "steps"),
+        ("passes over the training text", "passes"),
         ("median step time", "step"),
         ("tokens/s at the median step (overall, compiles included)", "tps"),
         ("compile time (inside the budget)", "compile"),
@@ -177,6 +181,11 @@ def format_table(result: dict[str, Any]) -> str:
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
         f"Wall time {result['wall_time_s']:.0f} s.",
     ]
+    repeated = [f"{LABELS[n]} {runs[n]['passes']:.1f}" for n in names if (runs[n].get("passes") or 0) > 1]
+    if repeated:
+        lines.append(f"Batches repeated (passes over the training text: {', '.join(repeated)}): validation perplexity "
+                     f"then rewards memorising the training text too; give more text (--data, --max-bytes) to "
+                     f"compare on one pass, as the papers do.")
     return "\n".join(lines)
 
 

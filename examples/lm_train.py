@@ -172,15 +172,24 @@ def _clip_hook(max_norm: float) -> Callable[..., None]:
 # --------------------------------------------------------------------------------------------------------
 # One method's training run
 # --------------------------------------------------------------------------------------------------------
+def passes(steps: int, train_blocks: int, batch: int) -> float:
+    """Passes over the training text that `steps` global batches make (``batches`` drops each pass's last
+    partial batch, so a pass is ``train_blocks // batch`` steps)."""
+    return steps / max(1, train_blocks // batch)
+
+
 def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.Tensor, val: torch.Tensor,
-              eval_tokens: tuple[int, ...] = (), world: World = World()) -> dict[str, Any]:
+              eval_tokens: tuple[int, ...] = (), world: World = World(),
+              log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train `model` by `method` for cfg's budget and return its curve and figures.
 
     dense: AdamW, the step compiled by cc.compile_step with Inductor.  comera: `model` already tensorized;
     AdamW on cc.param_groups(model, lr), cc.RankAdaptive at its defaults, cc.compile_step with backend
     "comera", ra.loss / ra.step around it.  galore: GaLoreAdamW, the model compiled with Inductor as dense's,
     the optimizer eager.  Validation at cfg.evals equal marks of the budget and when the token count
-    reaches each of `eval_tokens` (the first method's final count); the clock stops while it runs."""
+    reaches each of `eval_tokens` (the first method's final count); the clock stops while it runs.  The step
+    that starts a second pass over the training text is logged: from there batches repeat, and validation
+    perplexity no longer measures learning from new text alone."""
     import comera_compile as cc
     from tqdm.auto import tqdm
 
@@ -219,6 +228,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     warmup = cfg.warmup()
     schedule = Schedule(opt, warmup, cfg.min_lr_ratio, budget, None if budget is not None else cfg.steps)
     tokens_per_step = cfg.batch * cfg.seq_len
+    steps_per_pass = max(1, train.shape[0] // cfg.batch)
     if budget is not None:
         time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
         step_marks: set[int] = set()
@@ -250,6 +260,11 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
         ids = next(stream)[rows].to(device, non_blocking=True)
+        if step == steps_per_pass + 1 and world.main:
+            log(f"{method}: step {step} starts a second pass over the training text ({steps_per_pass:,} steps, "
+                f"{steps_per_pass * tokens_per_step:,} tokens a pass): from here batches repeat, so validation "
+                f"perplexity rewards memorising them too; give more text (--data, --max-bytes) to compare on one "
+                f"pass")
         lr = schedule.before(step, elapsed)
         sync()
         t0 = time.perf_counter()
@@ -300,6 +315,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         "warmup_steps": warmup,
         "steps": step,
         "tokens": step * tokens_per_step,
+        "passes": passes(step, train.shape[0], cfg.batch),
         "time_s": elapsed,
         "median_step_s": median,
         "tokens_per_s": tokens_per_step / median,

@@ -223,6 +223,38 @@ def test_equal_token_point_is_evaluated_on_a_time_budget(keep_threads):
     assert m["reach_fraction"] == pytest.approx(0.5 * r["evals"][0]["time_s"] / r["time_s"])
 
 
+
+def test_a_second_pass_over_the_training_text_is_said_and_counted(keep_threads):
+    """Ten training blocks in batches of 2 are 5 steps a pass: the first 5 batches hold each block once and the
+    6th repeats one; train_one says so at step 6 (once), counts 7 steps as 1.4 passes, and the table carries
+    the passes and a line saying the batches repeated."""
+    torch.set_num_threads(1)
+    data = torch.randint(0, 300, (12, 16), generator=torch.Generator().manual_seed(0))
+    train = data[:10]
+    stream = lp.batches(train, 2, seed=0)
+    seen = [tuple(map(tuple, next(stream).tolist())) for _ in range(6)]
+    first_pass = [row for b in seen[:5] for row in b]
+    assert sorted(first_pass) == sorted(map(tuple, train.tolist()))   # every block once
+    assert set(seen[5]) <= set(first_pass)                            # then they repeat
+    cfg = lp.PretrainConfig(preset="tiny", minutes=None, steps=7, batch=2, seq_len=16, evals=1, warmup_steps=1,
+                            progress=False)
+    said: list[str] = []
+    r = lp.train_one("dense", lp.build_model(MICRO_SHAPE, 300, seed=0), cfg, train, data[10:], log=said.append)
+    assert len(said) == 1 and "step 6 starts a second pass" in said[0] and "--data" in said[0]
+    assert r["passes"] == pytest.approx(7 / 5)
+    result = {"runs": {"dense": r}, "dense_params": {"total": 1, "decoder": 1}, "wall_time_s": 1.0,
+              "threads": 1, "config": {**vars(cfg), "out": None},
+              "model": {**vars(MICRO_SHAPE), "vocab_size": 300, "seq_len": 16},
+              "data": {"val_blocks": 2, "val_tokens": 30, "source": "test"}}
+    result["summary"] = lm_report.summarize(result)
+    table = lm_report.format_table(result)
+    assert "| passes over the training text" in table and "1.40" in table
+    assert "Batches repeated (passes over the training text: dense 1.4)" in table
+    short = lp.train_one("dense", lp.build_model(MICRO_SHAPE, 300, seed=0),
+                         lp.PretrainConfig(**{**vars(cfg), "steps": 5}), train, data[10:], log=said.append)
+    assert len(said) == 1 and short["passes"] == pytest.approx(1.0)   # one whole pass: nothing repeated
+
+
 def test_reach_time_interpolates_between_evaluations():
     base = {"val_loss": 5.0, "val_ppl": math.exp(5.0), "tokens": 400, "time_s": 100.0, "median_step_s": 1.0,
             "params_decoder": 1, "evals": [{"tokens": 400, "time_s": 100.0, "loss": 5.0, "ppl": math.exp(5.0)}]}
@@ -274,6 +306,8 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
         assert label in table
     assert [c.strip() for c in table.splitlines()[0].split("|")[2:-1]] == ["dense", "CoMERA", "GaLore"]
     assert f"{c['val_ppl']:.2f}" in table and f"{g['val_ppl']:.2f}" in table
+    assert d["passes"] == pytest.approx(4 / (result["data"]["train_blocks"] // 2)) and d["passes"] < 1
+    assert "passes over the training text" in table and "Batches repeated" not in table
 
 
 @pytest.mark.slow

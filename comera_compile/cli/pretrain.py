@@ -73,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--galore-rank", int, "GaLore's projection rank (default: the preset's)"),
             ("--evals", int, "validation evaluations per model at equal marks of the budget (default 6)"),
             ("--eval-blocks", int, "validation blocks evaluated (default: the preset's)"),
-            ("--max-bytes", int, "training text read, in bytes (default 8,000,000)"),
+            ("--max-bytes", int, "training text read, in bytes (default: tiny 8,000,000, the others 64,000,000)"),
             ("--val-fraction", float, "fraction of the documents held out for validation (default 0.05)"),
             ("--seed", int, "seed of the initialisation and the batch order (default 0)")))
     p.add_argument("--no-clip", action="store_true", help="no gradient clipping")
