@@ -11,6 +11,9 @@ from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import placement_checks
 
 METHODS = ("dense", "comera", "galore")
+# Arithmetic of the training step: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast (forward and loss; the
+# weights, gradients and optimizer state stay fp32), what the field pretrains in on GPUs.
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -98,6 +101,7 @@ class PretrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     device: str = "cpu"
+    precision: str | None = None   # one of PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
     threads: int | None = None     # intra-op CPU threads (None: torch's default, every core)
     progress: bool = True
 
@@ -108,6 +112,12 @@ class PretrainConfig:
 
     def peak_lr(self, method: str) -> float:
         return {"comera": self.comera_lr, "galore": self.galore_lr}.get(method) or self.lr
+
+    def arithmetic(self) -> str:
+        """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
+        if self.precision is not None:
+            return self.precision
+        return "bf16" if self.device == "cuda" else "fp32"
 
     def warmup(self) -> int:
         """Warm-up steps: the option, or a tenth of a step budget."""
@@ -147,6 +157,10 @@ class PretrainConfig:
             (self.clip is None or self.clip > 0, f"--clip must be positive, got {self.clip}"),
             (self.rank >= 1, f"--rank must be a positive integer, got {self.rank}"),
             (self.galore_rank >= 1, f"--galore-rank must be a positive integer, got {self.galore_rank}"),
+            (self.precision is None or self.precision in PRECISIONS,
+             f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"),
+            (self.precision != "tf32" or self.device == "cuda",
+             "--precision tf32 is a mode of CUDA's matrix products; on the CPU use fp32 or bf16"),
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.evals >= 1, f"--evals must be at least 1, got {self.evals}"),
             (self.eval_blocks is None or self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),

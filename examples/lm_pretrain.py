@@ -28,8 +28,9 @@ from torch import nn
 from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import World, from_env, run_in_world
 from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaShape, PretrainConfig, preset
-from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss, decoder_params, evaluate,
-                                              galore_optimizer, lr_factor, passes, total_params, train_one)
+from comera_compile.examples.lm_train import (Schedule, arithmetic, batches, build_model, causal_lm_loss,
+                                              decoder_params, evaluate, galore_optimizer, lr_factor, passes,
+                                              total_params, train_one)
 
 __all__ = ["METHODS", "SHAPES", "PRESETS", "PretrainConfig", "LlamaShape", "DemoError", "preset", "lr_factor",
            "Schedule", "build_model", "causal_lm_loss", "evaluate", "batches", "train_one", "run", "decoder_params",
@@ -99,24 +100,25 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     if world.size > 1:
         where += f" per process, {world.size} processes (DDP), {cfg.batch // world.size} rows each"
     log(f"model: Llama {cfg.preset!r} {asdict(shape)}; budget {budget} per model, batch {cfg.batch} x "
-        f"{cfg.seq_len}; methods {', '.join(methods)}; {where}")
+        f"{cfg.seq_len}, {cfg.arithmetic()}; methods {', '.join(methods)}; {where}")
     with torch.device("meta"):  # the dense counts, whichever methods run
         dense = build_model(shape, data.vocab_size, cfg.seed)
     dense_params = {"total": total_params(dense), "decoder": decoder_params(dense)}
     del dense
     log(f"dense: {dense_params['total']:,} parameters, {dense_params['decoder']:,} in the decoder layers")
     runs: dict[str, dict[str, Any]] = {}
-    for method in methods:
-        torch._dynamo.reset()  # each method compiles its own graphs, inside its own budget
-        model = _model_for(method, cfg, data.vocab_size, device)
-        if method == "comera":
-            log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at rank "
-                f"{cfg.rank}")
-        first = runs.get(methods[0])
-        eval_tokens = (first["tokens"],) if first is not None else ()
-        runs[method] = train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
-                                 log=log)
-        del model
+    with arithmetic(cfg.arithmetic(), device):
+        for method in methods:
+            torch._dynamo.reset()  # each method compiles its own graphs, inside its own budget
+            model = _model_for(method, cfg, data.vocab_size, device)
+            if method == "comera":
+                log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at rank "
+                    f"{cfg.rank}")
+            first = runs.get(methods[0])
+            eval_tokens = (first["tokens"],) if first is not None else ()
+            runs[method] = train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
+                                     log=log)
+            del model
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     config["warmup_steps"] = cfg.warmup()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -66,6 +67,20 @@ class Schedule:
         for g in self.optimizer.param_groups:
             g["lr"] = g["peak_lr"] * f
         return f
+
+
+@contextlib.contextmanager
+def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | None]:
+    """The training step's arithmetic (lm_config.PRECISIONS): yields the autocast dtype (bf16: torch.bfloat16,
+    else None).  On CUDA, float32 matmuls run in TF32 under tf32 and bf16 ("high") and in full float32 under
+    fp32 ("highest"); the setting is restored after.  The CPU's is left as it is."""
+    before = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
+    try:
+        yield torch.bfloat16 if precision == "bf16" else None
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -219,7 +234,8 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     if cfg.clip is not None:
         opt.register_step_pre_hook(_clip_hook(cfg.clip))
     forward = wrap(model, world)
-    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend)
+    autocast = torch.bfloat16 if cfg.arithmetic() == "bf16" else None
+    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
     execution = {"dense": "AdamW; cc.compile_step, Inductor",
                  "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
                  "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method] + world.describe()
@@ -272,7 +288,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         reallocated = ra.step() if ra is not None else False
         if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
             forward = wrap(model, world)
-            step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend)
+            step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
         sync()
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task["loss"].detach()))
         elapsed += dt
@@ -310,6 +326,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     result: dict[str, Any] = {
         "method": method,
         "execution": execution,
+        "precision": cfg.arithmetic(),
         "lr": cfg.peak_lr(method),
         "lr_groups": {g.get("name", str(i)): g["peak_lr"] for i, g in enumerate(opt.param_groups)},
         "warmup_steps": warmup,

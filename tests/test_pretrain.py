@@ -177,6 +177,7 @@ def test_presets_have_the_papers_llama_shapes():
     (["--vocab-size", "100"], "--vocab-size must be at least 257"),
     (["--nproc", "3", "--batch", "4"], "does not split evenly over 3 processes"),
     (["--clip", "-1"], "--clip must be positive"),
+    (["--precision", "tf32"], "--precision tf32 is a mode of CUDA's matrix products"),
     pytest.param(["--device", "cuda"], "no CUDA device is visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
 ])
@@ -255,6 +256,49 @@ def test_a_second_pass_over_the_training_text_is_said_and_counted(keep_threads):
     assert len(said) == 1 and short["passes"] == pytest.approx(1.0)   # one whole pass: nothing repeated
 
 
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monkeypatch):
+    """--precision bf16 runs forward and loss under bf16 autocast (the logits the loss reads are bf16, the first
+    loss is eager autocast's, the weights and their optimizer state stay fp32); fp32 runs in fp32 (the first
+    loss is the fp32 model's).  The CPU's float32 matmul setting is left as it was."""
+    from comera_compile.examples import lm_train
+
+    torch.set_num_threads(1)
+    seen: list[torch.dtype] = []
+    loss_of_output = lm_train._loss_of_output
+    monkeypatch.setattr(lm_train, "_loss_of_output",
+                        lambda out, ids: seen.append(out.logits.dtype) or loss_of_output(out, ids))
+    data = torch.randint(0, 300, (12, 16), generator=torch.Generator().manual_seed(0))
+    cfg = lp.PretrainConfig(preset="tiny", minutes=None, steps=2, batch=2, seq_len=16, evals=1, warmup_steps=1,
+                            progress=False, precision=precision)
+    model = lp.build_model(MICRO_SHAPE, 300, seed=0)
+    first = next(lp.batches(data[:10], 2, seed=0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        expected = float(lp.causal_lm_loss(model(input_ids=first, use_cache=False).logits, first))
+    before = torch.get_float32_matmul_precision()
+    with lm_train.arithmetic(cfg.arithmetic(), torch.device("cpu")) as dtype:
+        assert torch.get_float32_matmul_precision() == before
+        r = lp.train_one("dense", model, cfg, data[:10], data[10:], log=lambda _: None)
+    assert dtype == (torch.bfloat16 if precision == "bf16" else None) and r["precision"] == precision
+    assert seen and set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
+    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if precision == "bf16" else 1e-5)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert lp.PretrainConfig(device="cpu").arithmetic() == "fp32"
+    assert lp.PretrainConfig(device="cuda").arithmetic() == "bf16"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision, setting", [("fp32", "highest"), ("tf32", "high"), ("bf16", "high")])
+def test_cuda_matmuls_run_in_the_precision_asked_for(precision, setting, device):
+    from comera_compile.examples import lm_train
+
+    before = torch.get_float32_matmul_precision()
+    with lm_train.arithmetic(precision, device):
+        assert torch.get_float32_matmul_precision() == (setting if device.type == "cuda" else before)
+    assert torch.get_float32_matmul_precision() == before
+
+
 def test_reach_time_interpolates_between_evaluations():
     base = {"val_loss": 5.0, "val_ppl": math.exp(5.0), "tokens": 400, "time_s": 100.0, "median_step_s": 1.0,
             "params_decoder": 1, "evals": [{"tokens": 400, "time_s": 100.0, "loss": 5.0, "ppl": math.exp(5.0)}]}
@@ -308,6 +352,7 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
     assert f"{c['val_ppl']:.2f}" in table and f"{g['val_ppl']:.2f}" in table
     assert d["passes"] == pytest.approx(4 / (result["data"]["train_blocks"] // 2)) and d["passes"] < 1
     assert "passes over the training text" in table and "Batches repeated" not in table
+    assert "in fp32;" in table and all(r["precision"] == "fp32" for r in result["runs"].values())
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from comera_compile.cli.launch import add_config_options, given_options, train
 # Options of `pretrain` that map one to one onto PretrainConfig fields (None: the preset's value).
 _PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "seq_len", "vocab_size",
                      "lr", "comera_lr", "comera_core_lr", "comera_gate_lr", "galore_lr", "warmup_steps", "clip", "rank", "galore_rank", "evals",
-                     "eval_blocks", "max_bytes", "val_fraction", "seed", "device", "threads")
+                     "eval_blocks", "max_bytes", "val_fraction", "seed", "device", "precision", "threads")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -25,6 +25,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from comera_compile.examples.lm_config import PRECISIONS
     from comera_compile.examples.lm_pretrain import METHODS, PRESETS, SHAPES
 
     p = sub.add_parser(
@@ -80,6 +81,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads (default: the preset's; tiny: 1, the others: torch's, all cores)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where the models train (default cpu)")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA) or bf16 (autocast; "
+                        "weights and optimizer state in fp32); default bf16 on CUDA, fp32 on the CPU")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train data-parallel (DDP) on N local processes started through torchrun, each on its rows "
                         "of every global batch, as demo --nproc")
