@@ -24,7 +24,8 @@ from torch import nn
 
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
-from comera_compile.examples.demo_dist import PARALLEL, World, from_env, placement_checks, run_in_world
+from comera_compile.examples.demo_dist import (PARALLEL, World, arithmetic, from_env, placement_checks,
+                                               resolve_precision, run_in_world)
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
@@ -90,6 +91,11 @@ class DemoConfig:
     # Under torchrun (or comera-compile demo --nproc N): how the processes share the training, each on its
     # rows of every global batch of `batch` rows: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2).
     parallel: str = "ddp"
+    precision: str | None = None  # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
+
+    def arithmetic(self) -> str:
+        """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
+        return resolve_precision(self.precision, self.device)
 
     def model_size(self) -> ModelSize:
         if self.size not in SIZES:
@@ -125,7 +131,7 @@ class DemoConfig:
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
             (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
             (self.parallel in PARALLEL, f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"),
-            *placement_checks(self.device, self.batch, processes),
+            *placement_checks(self.device, self.batch, processes, self.precision),
         ]
         for ok, message in checks:
             if not ok:
@@ -272,15 +278,16 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
     dense_encoder, dense_total = encoder_params(dense), total_params(dense)
     budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
     log(f"model: size {cfg.size!r} {asdict(cfg.model_size())}; encoder {dense_encoder:,} dense parameters, "
-        f"{encoder_params(tt):,} as TT; budget {budget} per model, "
+        f"{encoder_params(tt):,} as TT; budget {budget} per model, {cfg.arithmetic()}, "
         + (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")
         + (f" per process, {world.size} processes ({cfg.parallel.upper()}), {cfg.batch // world.size} rows each "
            f"of every global batch of {cfg.batch}" if world.size > 1 else ""))
     runs: dict[str, dict[str, Any]] = {}
-    runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder, world=world)
-    del dense  # its memory is not the CoMERA run's
-    runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],),
-                               world=world)
+    with arithmetic(cfg.arithmetic(), device):
+        runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder, world=world)
+        del dense  # its memory is not the CoMERA run's
+        runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],),
+                                   world=world)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     result = {

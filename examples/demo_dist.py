@@ -13,16 +13,21 @@ demo``) and demo_train.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["World", "PARALLEL", "from_env", "shutdown", "wrap", "agree", "placement_checks", "run_in_world"]
+__all__ = ["World", "PARALLEL", "PRECISIONS", "from_env", "shutdown", "wrap", "agree", "placement_checks",
+           "run_in_world", "resolve_precision", "arithmetic"]
 
 PARALLEL = ("ddp", "fsdp")
+# The training steps' arithmetic: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast of forward and loss (the
+# weights, gradients and optimizer state stay fp32), what the field trains in on GPUs.
+PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,36 @@ class World:
         return "" if self.size == 1 else f", {self.parallel.upper()} x {self.size} processes"
 
 
-def placement_checks(device: str, batch: int, processes: int) -> list[tuple[bool, str]]:
-    """(holds, message) for the settings every training command checks: a device torch can see and a global
-    batch that splits evenly over the processes."""
+def resolve_precision(precision: str | None, device: str) -> str:
+    """The precision asked for, or the default: bf16 on CUDA, fp32 on the CPU."""
+    if precision is not None:
+        return precision
+    return "bf16" if device == "cuda" else "fp32"
+
+
+@contextlib.contextmanager
+def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | None]:
+    """Run the training in `precision` (one of PRECISIONS): yields the autocast dtype (bf16: torch.bfloat16,
+    else None).  On CUDA, float32 matmuls run in TF32 under tf32 and bf16 ("high") and in full float32 under
+    fp32 ("highest"), restored after; the CPU's setting is left as it is."""
+    before = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
+    try:
+        yield torch.bfloat16 if precision == "bf16" else None
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def placement_checks(device: str, batch: int, processes: int,
+                     precision: str | None = None) -> list[tuple[bool, str]]:
+    """(holds, message) for the settings every training command checks: a device torch can see, a global
+    batch that splits evenly over the processes, and a precision that runs on the device."""
     return [
+        (precision is None or precision in PRECISIONS,
+         f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"),
+        (precision != "tf32" or device == "cuda",
+         "--precision tf32 is a mode of CUDA's matrix products; on the CPU use fp32 or bf16"),
         (device in ("cpu", "cuda"), f"--device must be 'cpu' or 'cuda', got {device!r}"),
         (device != "cuda" or torch.cuda.is_available(),
          "--device cuda: no CUDA device is visible to torch; leave --device out to train on the CPU"),

@@ -7,7 +7,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["reach_time", "summarize", "format_table", "plot", "write_outputs", "environment", "finish"]
+__all__ = ["precision_words", "reach_time", "summarize", "format_table", "plot", "write_outputs", "environment",
+           "finish"]
+
+
+def precision_words(run: dict[str, Any]) -> str:
+    """A run's precision (its results' "precision"; fp32 in runs that predate it) in the table's words."""
+    return {"tf32": "fp32 with TF32 matmuls", "bf16": "bf16 autocast"}.get(run.get("precision", "fp32"), "fp32")
 
 
 def reach_time(evals: list[dict[str, Any]], target: float, key: str = "time_s") -> float | None:
@@ -97,7 +103,8 @@ def format_table(result: dict[str, Any]) -> str:
     where = result['device'] if result.get('device', 'cpu') != 'cpu' else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes ({cfg.get('parallel', 'ddp').upper()})"
-    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens; size "
+    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens in "
+                 f"{precision_words(result['runs']['dense'])}; size "
                  f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
                  f"files never trained on; wall time {result['wall_time_s']:.0f} s")

@@ -6,6 +6,7 @@ Used by comera_compile.examples.code_mlm (configuration, models, the run itself)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -141,6 +142,9 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         for layer in model.layers:  # regional compilation: one compiled layer serves every layer
             layer.compile(backend=backend, fullgraph=True)
     execution = (f"torch.compile {backend!r}, per layer" if backend is not None else "eager") + world.describe()
+    # forward and loss under bf16 autocast with --precision bf16; backward and the optimizer step outside it
+    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.arithmetic() == "bf16"
+                else contextlib.nullcontext)
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     if budget is not None:
@@ -183,7 +187,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             first_batch = (inputs, positions, labels)
         sync()
         t0 = time.perf_counter()
-        task = _task_loss(forward, inputs, positions, labels, data.vocab_size)
+        with autocast():
+            task = _task_loss(forward, inputs, positions, labels, data.vocab_size)
         loss = ra.loss(task) if ra is not None else task
         loss.backward()
         opt.step()
@@ -230,6 +235,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     result = {
         "name": name,
         "execution": execution,
+        "precision": cfg.arithmetic(),
         "steps": step,
         "time_s": elapsed,
         "params_model": total_params(model),

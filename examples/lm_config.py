@@ -8,12 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import placement_checks
+from comera_compile.examples.demo_dist import placement_checks, resolve_precision
 
 METHODS = ("dense", "comera", "galore")
-# Arithmetic of the training step: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast (forward and loss; the
-# weights, gradients and optimizer state stay fp32), what the field pretrains in on GPUs.
-PRECISIONS = ("fp32", "tf32", "bf16")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -101,7 +98,7 @@ class PretrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     device: str = "cpu"
-    precision: str | None = None   # one of PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
+    precision: str | None = None   # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
     threads: int | None = None     # intra-op CPU threads (None: torch's default, every core)
     progress: bool = True
 
@@ -115,9 +112,7 @@ class PretrainConfig:
 
     def arithmetic(self) -> str:
         """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
-        if self.precision is not None:
-            return self.precision
-        return "bf16" if self.device == "cuda" else "fp32"
+        return resolve_precision(self.precision, self.device)
 
     def warmup(self) -> int:
         """Warm-up steps: the option, or a tenth of a step budget."""
@@ -157,15 +152,11 @@ class PretrainConfig:
             (self.clip is None or self.clip > 0, f"--clip must be positive, got {self.clip}"),
             (self.rank >= 1, f"--rank must be a positive integer, got {self.rank}"),
             (self.galore_rank >= 1, f"--galore-rank must be a positive integer, got {self.galore_rank}"),
-            (self.precision is None or self.precision in PRECISIONS,
-             f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}"),
-            (self.precision != "tf32" or self.device == "cuda",
-             "--precision tf32 is a mode of CUDA's matrix products; on the CPU use fp32 or bf16"),
             (self.threads is None or self.threads >= 1, f"--threads must be at least 1, got {self.threads}"),
             (self.evals >= 1, f"--evals must be at least 1, got {self.evals}"),
             (self.eval_blocks is None or self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),
             (self.max_bytes >= 1000, f"--max-bytes must be at least 1000, got {self.max_bytes}"),
-            *placement_checks(self.device, self.batch, processes),
+            *placement_checks(self.device, self.batch, processes, self.precision),
         ]
         for ok, message in checks:
             if not ok:

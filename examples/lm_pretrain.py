@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import World, from_env, run_in_world
+from comera_compile.examples.demo_dist import World, arithmetic, from_env, run_in_world
 from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaShape, PretrainConfig, preset
-from comera_compile.examples.lm_train import (Schedule, arithmetic, batches, build_model, causal_lm_loss,
+from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss,
                                               decoder_params, evaluate, galore_optimizer, lr_factor, passes,
                                               total_params, train_one)
 

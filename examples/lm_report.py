@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from comera_compile.examples.demo_report import reach_time
+from comera_compile.examples.demo_report import precision_words, reach_time
 
 __all__ = ["LABELS", "mean_rank", "summarize", "format_table", "plot"]
 
@@ -164,8 +164,6 @@ def format_table(result: dict[str, Any]) -> str:
     where = result["device"] if result.get("device", "cpu") != "cpu" else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes (DDP)"
-    arithmetic = {"fp32": "fp32", "tf32": "fp32 with TF32 matmuls", "bf16": "bf16 autocast"}.get(
-        runs[names[0]].get("precision", "fp32"), "fp32")
     lrs = ", ".join(f"{LABELS[n]} {runs[n]['lr']:g}" for n in names)
     if "comera" in runs and "tt_cores" in runs["comera"].get("lr_groups", {}):
         groups = runs["comera"]["lr_groups"]
@@ -177,8 +175,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"({dense['decoder']:,} in the decoder layers). CoMERA from TT rank {cfg['rank']}; GaLore rank "
         f"{cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale {cfg['galore_scale']:g}.",
         f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens, the same order for every "
-        f"model, in {arithmetic}; AdamW-family, peak lr {lrs}, {cfg['warmup_steps']} warm-up steps then cosine to "
-        f"{cfg['min_lr_ratio']:g}x over the budget, gradient clipping {cfg['clip']}; seed {cfg['seed']}; {where}.",
+        f"model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, {cfg['warmup_steps']} "
+        f"warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient clipping {cfg['clip']}; "
+        f"seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
         f"Wall time {result['wall_time_s']:.0f} s.",

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import sys
@@ -67,20 +66,6 @@ class Schedule:
         for g in self.optimizer.param_groups:
             g["lr"] = g["peak_lr"] * f
         return f
-
-
-@contextlib.contextmanager
-def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | None]:
-    """The training step's arithmetic (lm_config.PRECISIONS): yields the autocast dtype (bf16: torch.bfloat16,
-    else None).  On CUDA, float32 matmuls run in TF32 under tf32 and bf16 ("high") and in full float32 under
-    fp32 ("highest"); the setting is restored after.  The CPU's is left as it is."""
-    before = torch.get_float32_matmul_precision()
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
-    try:
-        yield torch.bfloat16 if precision == "bf16" else None
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 # --------------------------------------------------------------------------------------------------------

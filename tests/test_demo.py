@@ -183,7 +183,8 @@ def test_bad_data_dirs_say_what_to_do(tmp_path, setup, message):
     ({"vocab_size": 100}, "--vocab-size"), ({"rank": 0}, "--rank"), ({"size": "huge"}, "tiny, small"),
     ({"target_ratio": 1.5}, "--target-ratio"), ({"minutes": 0}, "--minutes"),
     ({"minutes": None, "steps": None}, "--minutes.*or --steps"), ({"dense_lr": -1.0}, "--dense-lr"),
-    ({"evals": 0}, "--evals"),
+    ({"evals": 0}, "--evals"), ({"precision": "tf32"}, "--precision tf32 is a mode of CUDA"),
+    ({"precision": "fp16"}, "--precision must be one of fp32, tf32, bf16"),
 ])
 def test_bad_sizes_are_rejected_with_the_option_named(override, message):
     with pytest.raises(DemoError, match=message):
@@ -265,6 +266,36 @@ def test_step_budget_runs_exactly_its_steps(tiny_data):
     assert r["active_tt_params_start"] >= r["active_tt_params_end"] > 0
 
 
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypatch):
+    """--precision bf16 runs the forward and loss under bf16 autocast (the first loss is eager autocast's on the
+    same batch); the weights stay fp32.  fp32 runs without autocast."""
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=2, evals=1, precision=precision)
+    dense, _ = code_mlm.build_models(cfg, data.vocab_size)
+    inputs, positions, labels = next(demo_train.batches(data, cfg))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        expected = float(torch.nn.functional.cross_entropy(
+            dense(inputs, positions).float().reshape(-1, data.vocab_size), labels.reshape(-1)))
+    seen: list[tuple[bool, torch.dtype]] = []
+    task_loss = demo_train._task_loss
+
+    def recording(model, *args):
+        seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
+        return task_loss(model, *args)
+
+    monkeypatch.setattr(demo_train, "_task_loss", recording)
+    r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense))
+    steps = seen[:2]   # then the one eager step that measures memory, in fp32 (_peak_step_bytes)
+    assert all(on == (precision == "bf16") for on, _ in steps)
+    assert precision == "fp32" or {dtype for _, dtype in steps} == {torch.bfloat16}
+    assert r["precision"] == precision and cfg.arithmetic() == precision
+    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if precision == "bf16" else 1e-5)
+    assert all(p.dtype == torch.float32 for p in dense.parameters())
+    assert DemoConfig(device="cuda").arithmetic() == "bf16" and DemoConfig().arithmetic() == "fp32"
+
+
 # -- a whole run -------------------------------------------------------------------------------------------
 def _run_cli(tmp_path, *extra: str) -> dict:
     _write_corpus(tmp_path / "data")
@@ -317,10 +348,13 @@ def _check_figures(result: dict) -> None:
     for run_ in (d, c):
         assert f"{100 * run_['heldout_accuracy']:.2f}%" in table
     assert f"{c['params_encoder']:,}" in table and f"{100 * uni['accuracy']:.2f}%" in table
+    assert f"tokens in {'bf16 autocast' if result['config']['precision'] == 'bf16' else 'fp32'};" in table
 
 
 def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
-    result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5")
+    result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5",
+                      "--precision", "bf16")
+    assert all(r["precision"] == "bf16" for r in result["runs"].values())
     assert result["runs"]["comera"]["execution"] == result["runs"]["dense"]["execution"] == "eager"
     assert result["config"]["target_ratio"] == 0.5 and result["runs"]["comera"]["stage"] == "late"
     assert result["config"]["minutes"] is None  # --steps alone is the budget

@@ -263,6 +263,7 @@ def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monke
     loss is eager autocast's, the weights and their optimizer state stay fp32); fp32 runs in fp32 (the first
     loss is the fp32 model's).  The CPU's float32 matmul setting is left as it was."""
     from comera_compile.examples import lm_train
+    from comera_compile.examples.demo_dist import arithmetic
 
     torch.set_num_threads(1)
     seen: list[torch.dtype] = []
@@ -277,7 +278,7 @@ def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monke
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
         expected = float(lp.causal_lm_loss(model(input_ids=first, use_cache=False).logits, first))
     before = torch.get_float32_matmul_precision()
-    with lm_train.arithmetic(cfg.arithmetic(), torch.device("cpu")) as dtype:
+    with arithmetic(cfg.arithmetic(), torch.device("cpu")) as dtype:
         assert torch.get_float32_matmul_precision() == before
         r = lp.train_one("dense", model, cfg, data[:10], data[10:], log=lambda _: None)
     assert dtype == (torch.bfloat16 if precision == "bf16" else None) and r["precision"] == precision
@@ -291,10 +292,10 @@ def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monke
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision, setting", [("fp32", "highest"), ("tf32", "high"), ("bf16", "high")])
 def test_cuda_matmuls_run_in_the_precision_asked_for(precision, setting, device):
-    from comera_compile.examples import lm_train
+    from comera_compile.examples.demo_dist import arithmetic
 
     before = torch.get_float32_matmul_precision()
-    with lm_train.arithmetic(precision, device):
+    with arithmetic(precision, device):
         assert torch.get_float32_matmul_precision() == (setting if device.type == "cuda" else before)
     assert torch.get_float32_matmul_precision() == before
 

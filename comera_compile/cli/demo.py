@@ -12,7 +12,7 @@ CUDA_DEMO_BATCH = 32   # demo --device cuda: the paper's MNLI batch, unless --ba
 # Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
 _DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
                  "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
-                 "dense_backend", "device", "parallel")
+                 "dense_backend", "device", "parallel", "precision")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
@@ -32,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "and CoMERA-style (tensorize + RankAdaptive + backend 'comera') -- and write a "
                                    "table, a plot and a JSON of every figure to runs/<timestamp>/.")
     from comera_compile.examples.code_mlm import PRESETS, SIZES, DemoConfig
+    from comera_compile.examples.demo_dist import PRECISIONS
 
     defaults = DemoConfig()
     d.add_argument("--preset", choices=list(PRESETS), default="demo",
@@ -70,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help=f"where both models train (default cpu); cuda also makes --batch default to "
                         f"{CUDA_DEMO_BATCH} and times each step to the end of its GPU work")
+    d.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA) or bf16 (autocast; "
+                        "weights and optimizer state in fp32); default bf16 on CUDA, fp32 on the CPU")
     d.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train data-parallel on N local processes (started through torchrun; gloo on CPU, nccl on "
                         "CUDA), each on its rows of every global batch of --batch rows; on several machines "

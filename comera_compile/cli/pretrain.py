@@ -25,7 +25,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from comera_compile.examples.lm_config import PRECISIONS
+    from comera_compile.examples.demo_dist import PRECISIONS
     from comera_compile.examples.lm_pretrain import METHODS, PRESETS, SHAPES
 
     p = sub.add_parser(
