@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 __all__ = ["World", "PARALLEL", "PRECISIONS", "from_env", "shutdown", "wrap", "agree", "placement_checks",
-           "run_in_world", "resolve_precision", "arithmetic"]
+           "run_in_world", "resolve_precision", "autocast_dtype", "arithmetic"]
 
 PARALLEL = ("ddp", "fsdp")
 # The training steps' arithmetic: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast of forward and loss (the
@@ -65,16 +65,21 @@ def resolve_precision(precision: str | None, device: str) -> str:
     return "bf16" if device == "cuda" else "fp32"
 
 
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the training step's forward and loss autocast to under `precision`: bf16's, else none."""
+    return torch.bfloat16 if precision == "bf16" else None
+
+
 @contextlib.contextmanager
 def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | None]:
-    """Run the training in `precision` (one of PRECISIONS): yields the autocast dtype (bf16: torch.bfloat16,
-    else None).  On CUDA, float32 matmuls run in TF32 under tf32 and bf16 ("high") and in full float32 under
-    fp32 ("highest"), restored after; the CPU's setting is left as it is."""
+    """Run the training in `precision` (one of PRECISIONS): yields ``autocast_dtype(precision)``.  On CUDA,
+    float32 matmuls run in TF32 under tf32 and bf16 ("high") and in full float32 under fp32 ("highest"),
+    restored after; the CPU's setting is left as it is."""
     before = torch.get_float32_matmul_precision()
     if device.type == "cuda":
         torch.set_float32_matmul_precision("highest" if precision == "fp32" else "high")
     try:
-        yield torch.bfloat16 if precision == "bf16" else None
+        yield autocast_dtype(precision)
     finally:
         torch.set_float32_matmul_precision(before)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import mask_batch
-from comera_compile.examples.demo_dist import World, agree, wrap
+from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -143,8 +143,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             layer.compile(backend=backend, fullgraph=True)
     execution = (f"torch.compile {backend!r}, per layer" if backend is not None else "eager") + world.describe()
     # forward and loss under bf16 autocast with --precision bf16; backward and the optimizer step outside it
-    autocast = ((lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.arithmetic() == "bf16"
-                else contextlib.nullcontext)
+    dtype = autocast_dtype(cfg.arithmetic())
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     if budget is not None:

@@ -90,10 +90,10 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     device = world.device(cfg.device)
     log(f"data: {data.source}; {data.train.shape[0]:,} training blocks ({data.train_tokens():,} tokens), "
         f"{val.shape[0]} of the {data.val.shape[0]:,} validation blocks evaluated")
-    if cfg.steps is not None and passes(cfg.steps, data.train.shape[0], cfg.batch) > 1:
-        log(f"note: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} tokens make "
-            f"{passes(cfg.steps, data.train.shape[0], cfg.batch):.1f} passes over the training text: batches "
-            f"repeat; give more text (--data, --max-bytes) to compare on one pass")
+    budget_passes = passes(cfg.steps, data.train.shape[0], cfg.batch) if cfg.steps is not None else 0.0
+    if budget_passes > 1:
+        log(f"note: {cfg.steps} steps of {cfg.batch} x {cfg.seq_len} tokens make {budget_passes:.1f} passes over "
+            f"the training text: batches repeat; give more text (--data, --max-bytes) to compare on one pass")
     methods = [m for m in METHODS if m in cfg.methods]
     budget = f"{cfg.minutes:g} min" if cfg.minutes is not None else f"{cfg.steps} steps"
     where = (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")

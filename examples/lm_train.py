@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import World, agree, wrap
+from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
 from comera_compile.examples.demo_train import rss_bytes
 from comera_compile.examples.lm_config import LlamaShape, PretrainConfig
 
@@ -172,10 +172,15 @@ def _clip_hook(max_norm: float) -> Callable[..., None]:
 # --------------------------------------------------------------------------------------------------------
 # One method's training run
 # --------------------------------------------------------------------------------------------------------
+def steps_per_pass(train_blocks: int, batch: int) -> int:
+    """Steps of `batch` blocks in one pass over the training text (``batches`` drops each pass's last partial
+    batch)."""
+    return max(1, train_blocks // batch)
+
+
 def passes(steps: int, train_blocks: int, batch: int) -> float:
-    """Passes over the training text that `steps` global batches make (``batches`` drops each pass's last
-    partial batch, so a pass is ``train_blocks // batch`` steps)."""
-    return steps / max(1, train_blocks // batch)
+    """Passes over the training text that `steps` global batches make."""
+    return steps / steps_per_pass(train_blocks, batch)
 
 
 def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.Tensor, val: torch.Tensor,
@@ -219,7 +224,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     if cfg.clip is not None:
         opt.register_step_pre_hook(_clip_hook(cfg.clip))
     forward = wrap(model, world)
-    autocast = torch.bfloat16 if cfg.arithmetic() == "bf16" else None
+    autocast = autocast_dtype(cfg.arithmetic())
     step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
     execution = {"dense": "AdamW; cc.compile_step, Inductor",
                  "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
@@ -229,7 +234,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     warmup = cfg.warmup()
     schedule = Schedule(opt, warmup, cfg.min_lr_ratio, budget, None if budget is not None else cfg.steps)
     tokens_per_step = cfg.batch * cfg.seq_len
-    steps_per_pass = max(1, train.shape[0] // cfg.batch)
+    per_pass = steps_per_pass(train.shape[0], cfg.batch)
     if budget is not None:
         time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
         step_marks: set[int] = set()
@@ -261,9 +266,9 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
         ids = next(stream)[rows].to(device, non_blocking=True)
-        if step == steps_per_pass + 1 and world.main:
-            log(f"{method}: step {step} starts a second pass over the training text ({steps_per_pass:,} steps, "
-                f"{steps_per_pass * tokens_per_step:,} tokens a pass): from here batches repeat, so validation "
+        if step == per_pass + 1 and world.main:
+            log(f"{method}: step {step} starts a second pass over the training text ({per_pass:,} steps, "
+                f"{per_pass * tokens_per_step:,} tokens a pass): from here batches repeat, so validation "
                 f"perplexity rewards memorising them too; give more text (--data, --max-bytes) to compare on one "
                 f"pass")
         lr = schedule.before(step, elapsed)

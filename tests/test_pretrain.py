@@ -289,6 +289,34 @@ def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monke
     assert lp.PretrainConfig(device="cuda").arithmetic() == "bf16"
 
 
+
+def test_comera_in_bf16_compiles_one_graph_for_a_12_layer_decoder(keep_threads, monkeypatch):
+    """pretrain's CoMERA run as the command builds it (tensorize of model.layers.*, RankAdaptive, compile_step
+    with backend "comera"), --precision bf16, on a 12-layer Llama: one compiled graph serves every layer, no
+    layer runs eagerly, and the first step's loss is an eager bf16-autocast forward's of the same model."""
+    import copy
+
+    import comera_compile as cc
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    monkeypatch.setitem(lp.SHAPES, "deep", lp.LlamaShape(hidden=64, intermediate=128, heads=2, layers=12,
+                                                         max_positions=64))
+    cfg = lp.PretrainConfig(preset="deep", minutes=None, steps=2, batch=2, seq_len=16, evals=1, warmup_steps=1,
+                            rank=4, progress=False, precision="bf16")
+    model = lp._model_for("comera", cfg, 300, torch.device("cpu"))
+    data = torch.randint(0, 300, (12, 16), generator=torch.Generator().manual_seed(0))
+    first = next(lp.batches(data[:10], 2, seed=0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = float(lp.causal_lm_loss(copy.deepcopy(model)(input_ids=first, use_cache=False).logits, first))
+    torch._dynamo.reset()
+    counters.clear()
+    r = lp.train_one("comera", model, cfg, data[:10], data[10:], log=lambda _: None)
+    assert counters["stats"]["unique_graphs"] == 1 and not cc.regional.eager_blocks(model)
+    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2)
+    assert r["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision, setting", [("fp32", "highest"), ("tf32", "high"), ("bf16", "high")])
 def test_cuda_matmuls_run_in_the_precision_asked_for(precision, setting, device):
