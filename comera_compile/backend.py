@@ -109,6 +109,11 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
 
         user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
         patches["joint_custom_pre_pass"] = chain_joint_passes(user, RecomputeHashMasks())
+        if hasattr(inductor, "unsafe_marked_cacheable_functions"):   # hash_dropout's graphs stay cacheable
+            from comera_compile.ops.hash_dropout import cache_marks
+
+            marked = patches.get("unsafe_marked_cacheable_functions", inductor.unsafe_marked_cacheable_functions)
+            patches["unsafe_marked_cacheable_functions"] = {**marked, **cache_marks()}
     return patches
 
 

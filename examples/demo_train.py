@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -80,12 +80,16 @@ def _task_loss(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, 
     return F.cross_entropy(model(inputs, positions).reshape(-1, vocab_size), labels.reshape(-1))
 
 
-def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_size: int) -> int:
-    """Peak tracked tensor memory of one eager forward + backward (gradients included), in bytes."""
+def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_size: int,
+                     autocast: Callable[[], ContextManager] = contextlib.nullcontext) -> int:
+    """Peak tracked tensor memory of one eager forward + backward (gradients included), in bytes, with the
+    forward under `autocast` as the training steps' (bf16 activations are half fp32's)."""
     from comera_compile.memory import peak_bytes
 
     def step() -> None:
-        _task_loss(model, *batch, vocab_size).backward()
+        with autocast():
+            loss = _task_loss(model, *batch, vocab_size)
+        loss.backward()
 
     with torch.compiler.set_stance("force_eager"):
         peak = peak_bytes(step)
@@ -245,7 +249,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "median_step_s": median,
         "compile_s": sum(max(0.0, times[i] - median) for i in compile_steps),
         "compile_steps": [i + 1 for i in compile_steps],
-        "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size),
+        "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size, autocast),
         "peak_rss_bytes": rss_peak or None,
         "device": str(device),
         "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

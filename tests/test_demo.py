@@ -270,7 +270,8 @@ def test_step_budget_runs_exactly_its_steps(tiny_data):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypatch):
     """--precision bf16 runs the forward and loss under bf16 autocast (the first loss is eager autocast's on the
-    same batch); the weights stay fp32.  fp32 runs without autocast."""
+    same batch), and so does the step that measures peak memory; the weights stay fp32.  fp32 runs without
+    autocast."""
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=None, steps=2, evals=1, precision=precision)
     dense, _ = code_mlm.build_models(cfg, data.vocab_size)
@@ -287,8 +288,8 @@ def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypa
 
     monkeypatch.setattr(demo_train, "_task_loss", recording)
     r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense))
-    steps = seen[:2]   # then the one eager step that measures memory, in fp32 (_peak_step_bytes)
-    assert all(on == (precision == "bf16") for on, _ in steps)
+    steps = seen   # the two training steps, then the eager step that measures memory (_peak_step_bytes)
+    assert len(steps) == 3 and all(on == (precision == "bf16") for on, _ in steps)
     assert precision == "fp32" or {dtype for _, dtype in steps} == {torch.bfloat16}
     assert r["precision"] == precision and cfg.arithmetic() == precision
     assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if precision == "bf16" else 1e-5)

@@ -280,6 +280,46 @@ def test_dropouts_of_a_graph_share_one_draw_and_mask_as_eager_calls_do():
     torch._dynamo.reset()
 
 
+def test_a_second_compile_is_served_by_aotautograd_s_cache_and_masks_as_eager_calls_do():
+    """The hash_dropout and draw_words calls the pass puts into dynamo's graph are marked cacheable, so a
+    second compile of the same model (a new run, another process, or after torch._dynamo.reset) finds its
+    graph in AOTAutograd's cache instead of tracing the joint graph again; what the cache serves computes
+    what eager hash_dropout calls do (float64, the generator's own bits)."""
+    import comera_compile  # noqa: F401  (registers the backend)
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = _ThreeDrops().double()
+    x = torch.randn(12, 16, dtype=torch.float64)
+
+    def eager(x):
+        h = hash_dropout(torch.tanh(model.up(x)), 0.3)
+        h = hash_dropout(h * 2.0, 0.5) + hash_dropout(h, 0.1)
+        return model.down(h)
+
+    def step(forward):
+        torch.manual_seed(3)
+        out = forward(x)
+        out.sum().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return out.detach(), grads
+
+    with torch._inductor.config.patch(fallback_random=True):
+        torch._dynamo.reset()
+        step(torch.compile(model, backend="comera"))   # compiles, or finds an earlier run's entry
+        torch._dynamo.reset()
+        counters.clear()
+        got, got_grads = step(torch.compile(model, backend="comera"))
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+        assert not counters["aot_autograd"]["autograd_cache_bypass"]
+        want, want_grads = step(eager)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
 def test_graph_pass_swaps_modules_and_calls():
     gm = torch.fx.symbolic_trace(_Net())
     assert fast_dropout(gm).count == 2

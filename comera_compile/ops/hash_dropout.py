@@ -16,12 +16,16 @@ the "comera" backend runs it by default (option ``fast_dropout``).
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from comera_compile.ops.materialize import materialize
 
-__all__ = ["hash_dropout", "HashDropout", "draw_words"]
+__all__ = ["hash_dropout", "HashDropout", "draw_words", "cache_marks"]
 
 
 _M32 = 0xFFFFFFFF
@@ -101,3 +105,13 @@ class HashDropout(nn.Dropout):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return hash_dropout(input, self.p, self.training, self.inplace)
+
+
+@functools.cache
+def cache_marks() -> dict[str, str]:
+    """The functions passes.fx.dropout puts into dynamo's graph, by the names AOTAutograd's cache checks, each
+    with a hash of this module's source (Inductor's ``unsafe_marked_cacheable_functions``).  Unmarked, a
+    graph holding them bypasses that cache, so every process and every new run traces its joint graph again;
+    the hash makes an edit here a new cache key."""
+    digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+    return {f"{f.__module__}.{f.__name__}": f"comera-hash-dropout-{digest}" for f in (hash_dropout, draw_words)}
