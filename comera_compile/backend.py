@@ -92,7 +92,10 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps).  The
     torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
     mask-recompute joint-graph pass runs after any joint_custom_pre_pass already set (chained into one pass,
-    which every torch release takes)."""
+    which every torch release takes).  Functions of ours and torch's that AOTAutograd's cache would refuse
+    are marked cacheable (_cache_marks), beside any the user marked."""
+    from torch._inductor import config as inductor
+
     opts = _check_options(options)
     patches: dict[str, Any] = {}
     if mode is not None and mode != "default":
@@ -102,19 +105,33 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
     patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and not opts["profile"] and "cuda" in devices)
     patches.update(opts["inductor"])
     if opts["fast_dropout"]:
-        from torch._inductor import config as inductor
-
         from comera_compile.passes.joint.chain import chain_joint_passes
         from comera_compile.passes.joint.recompute import RecomputeHashMasks
 
         user = patches.get("joint_custom_pre_pass", inductor.joint_custom_pre_pass)
         patches["joint_custom_pre_pass"] = chain_joint_passes(user, RecomputeHashMasks())
-        if hasattr(inductor, "unsafe_marked_cacheable_functions"):   # hash_dropout's graphs stay cacheable
-            from comera_compile.ops.hash_dropout import cache_marks
-
-            marked = patches.get("unsafe_marked_cacheable_functions", inductor.unsafe_marked_cacheable_functions)
-            patches["unsafe_marked_cacheable_functions"] = {**marked, **cache_marks()}
+    if hasattr(inductor, "unsafe_marked_cacheable_functions"):
+        marked = patches.get("unsafe_marked_cacheable_functions", inductor.unsafe_marked_cacheable_functions)
+        patches["unsafe_marked_cacheable_functions"] = {**marked, **_cache_marks(opts["fast_dropout"])}
     return patches
+
+
+def _cache_marks(fast_dropout: bool) -> dict[str, str]:
+    """Functions in the graphs the backend compiles that AOTAutograd's cache does not know to be safe, marked
+    cacheable so that a graph holding one is served from the cache instead of traced again in every process
+    and every run: torch's own autocast enter/exit (what they do is set by their arguments, constants in the
+    graph; keyed by torch's version, and allowed by torch itself from later releases), and with fast_dropout
+    hash_dropout's functions (keyed by a hash of their source)."""
+    from torch.amp import autocast_mode
+
+    marks = {f"{f.__module__}.{f.__name__}": f"torch-{torch.__version__}"
+             for f in (getattr(autocast_mode, name, None) for name in ("_enter_autocast", "_exit_autocast"))
+             if f is not None}
+    if fast_dropout:
+        from comera_compile.ops.hash_dropout import cache_marks
+
+        marks.update(cache_marks())
+    return marks
 
 
 def _run_passes(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: dict[str, Any],

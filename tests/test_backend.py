@@ -53,6 +53,41 @@ def test_compiled_matches_eager_forward_and_gradients_fullgraph():
         assert (grads[n] - eager_grads[n]).abs().max() / scale < 1e-4, n
 
 
+def test_a_graph_entering_autocast_is_served_by_aotautograd_s_cache_and_matches_eager_autocast():
+    """A compiled function that enters bf16 autocast itself (as compile_step's autocast option and user code
+    do) holds torch's _enter_autocast/_exit_autocast in its graph; the backend marks them cacheable, so a
+    second compile finds the graph in AOTAutograd's cache, and what the cache serves computes what eager
+    autocast does."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
+    x = torch.randn(8, 32)
+
+    def loss(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+
+    def step(fn):
+        value = fn(x)
+        value.backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        return value.detach(), grads
+
+    step(torch.compile(loss, backend="comera"))   # compiles, or finds an earlier run's entry
+    torch._dynamo.reset()
+    counters.clear()
+    got, got_grads = step(torch.compile(loss, backend="comera"))
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert not counters["aot_autograd"]["autograd_cache_bypass"]
+    want, want_grads = step(loss)
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=5e-2, atol=5e-3)
+    assert not torch.allclose(got, model(x).square().mean())   # autocast did change the arithmetic
+
+
 def test_dense_model_compiles_too():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
