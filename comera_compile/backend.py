@@ -120,8 +120,8 @@ def _cache_marks(fast_dropout: bool) -> dict[str, str]:
     """Functions in the graphs the backend compiles that AOTAutograd's cache does not know to be safe, marked
     cacheable so that a graph holding one is served from the cache instead of traced again in every process
     and every run: torch's own autocast enter/exit (what they do is set by their arguments, constants in the
-    graph; keyed by torch's version), and with fast_dropout
-    hash_dropout's functions (keyed by a hash of their source)."""
+    graph; keyed by torch's version), and with fast_dropout hash_dropout's functions (keyed by a hash of
+    their source)."""
     from torch.amp import autocast_mode
 
     marks = {f"{f.__module__}.{f.__name__}": f"torch-{torch.__version__}"
