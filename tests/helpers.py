@@ -5,6 +5,7 @@ from __future__ import annotations
 import shlex
 import textwrap
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -141,3 +142,17 @@ class SimulatedGraphs:
         out = graph["fn"]()
         with torch.no_grad():
             graph["out"].copy_(out)
+
+
+def second_compile_from_aot_cache(compiled: Callable[[], Callable], step: Callable[[Callable], Any]) -> Any:
+    """Runs step(compiled()) twice with dynamo reset between (as a new run or process would): the second
+    compile must be served by AOTAutograd's cache, one hit and no bypass.  Returns the second step's result."""
+    from torch._dynamo.utils import counters
+
+    step(compiled())   # compiles, or finds an earlier run's entry
+    torch._dynamo.reset()
+    counters.clear()
+    result = step(compiled())
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+    assert not counters["aot_autograd"]["autograd_cache_bypass"]
+    return result

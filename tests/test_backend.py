@@ -17,6 +17,7 @@ import comera_compile as cc
 from comera_compile.backend import OPTIONS, inductor_config, repeated_blocks
 from comera_compile.examples import six_encoder
 from comera_compile.logs import tt_contractions
+from helpers import second_compile_from_aot_cache
 
 
 @pytest.fixture(autouse=True)
@@ -58,8 +59,6 @@ def test_a_graph_entering_autocast_is_served_by_aotautograd_s_cache_and_matches_
     do) holds torch's _enter_autocast/_exit_autocast in its graph; the backend marks them cacheable, so a
     second compile finds the graph in AOTAutograd's cache, and what the cache serves computes what eager
     autocast does."""
-    from torch._dynamo.utils import counters
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 4))
     x = torch.randn(8, 32)
@@ -75,12 +74,7 @@ def test_a_graph_entering_autocast_is_served_by_aotautograd_s_cache_and_matches_
         model.zero_grad()
         return value.detach(), grads
 
-    step(torch.compile(loss, backend="comera"))   # compiles, or finds an earlier run's entry
-    torch._dynamo.reset()
-    counters.clear()
-    got, got_grads = step(torch.compile(loss, backend="comera"))
-    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
-    assert not counters["aot_autograd"]["autograd_cache_bypass"]
+    got, got_grads = second_compile_from_aot_cache(lambda: torch.compile(loss, backend="comera"), step)
     want, want_grads = step(loss)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-3)
     for g, w in zip(got_grads, want_grads):

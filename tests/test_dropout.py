@@ -18,6 +18,7 @@ from comera_compile.ops.hash_dropout import _C1, _C2, HashDropout, hash_dropout
 from comera_compile.passes.fx import dropout as dropout_pass
 from comera_compile.passes.fx.dropout import fast_dropout
 from comera_compile.passes.joint.recompute import recompute_hash_masks
+from helpers import second_compile_from_aot_cache
 
 
 @pytest.fixture(params=["int32", "int64"])
@@ -286,7 +287,6 @@ def test_a_second_compile_is_served_by_aotautograd_s_cache_and_masks_as_eager_ca
     graph in AOTAutograd's cache instead of tracing the joint graph again; what the cache serves computes
     what eager hash_dropout calls do (float64, the generator's own bits)."""
     import comera_compile  # noqa: F401  (registers the backend)
-    from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     model = _ThreeDrops().double()
@@ -307,12 +307,7 @@ def test_a_second_compile_is_served_by_aotautograd_s_cache_and_masks_as_eager_ca
 
     with torch._inductor.config.patch(fallback_random=True):
         torch._dynamo.reset()
-        step(torch.compile(model, backend="comera"))   # compiles, or finds an earlier run's entry
-        torch._dynamo.reset()
-        counters.clear()
-        got, got_grads = step(torch.compile(model, backend="comera"))
-        assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
-        assert not counters["aot_autograd"]["autograd_cache_bypass"]
+        got, got_grads = second_compile_from_aot_cache(lambda: torch.compile(model, backend="comera"), step)
         want, want_grads = step(eager)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
