@@ -347,3 +347,65 @@ def test_a_model_built_on_the_meta_device_trains_without_any_dense_weight():
     w = fresh.to_dense()
     assert abs(w.std().item() * math.sqrt(3 * 512) - 1) < 0.2
     assert abs(rows.std().item() - 1) < 0.35 and fresh.bias.abs().max() <= 1 / math.sqrt(512)
+
+
+class _ScaledEmbedding(nn.Embedding):
+    """transformers' scaled word embedding (Gemma, Bart): the lookup times a constant."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.embedding_dim ** 0.5
+
+
+class _Positions(nn.Embedding):
+    """A learned position embedding whose forward takes the token ids' shape, not indices (OPT's kind)."""
+
+    def forward(self, ids: torch.Tensor, offset: int = 2) -> torch.Tensor:
+        return super().forward(torch.arange(ids.shape[-1], device=ids.device) + offset)
+
+
+class _PlainMath(nn.Linear):
+    """Falcon's Linear: its own forward, computing exactly nn.Linear's map."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _Router(nn.Linear):
+    """An MoE router: a Linear whose forward returns routing weights, not the linear map."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).softmax(-1)
+
+
+class _WithSubclasses(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.word, self.pos = _ScaledEmbedding(300, 64), _Positions(70, 64)
+        self.plain, self.router, self.out = _PlainMath(64, 96), _Router(96, 64), nn.Linear(64, 80)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.router(self.plain(self.word(ids) + self.pos(ids))))
+
+
+def test_layers_whose_class_computes_something_else_stay_dense_and_say_so():
+    """Subclasses of nn.Embedding / nn.Linear with a forward of their own (scaled word embeddings, position
+    embeddings, routers) are kept dense with a warning naming them, so the full-rank TT model computes what
+    the user's model computes (float64, against the dense model); a subclass whose forward is the plain map
+    (Falcon's Linear) is rewritten; naming a kept one in include is an error that leaves the model as it was."""
+    torch.manual_seed(0)
+    model = _WithSubclasses().double()
+    snap = _snapshot(model)
+    with pytest.warns(UserWarning, match=r"kept 3 layer\(s\) dense whose class has its own forward") as rec:
+        tt = cc.tensorize(model, rank=FULL, init="svd", min_features=1)
+    message = next(str(w.message) for w in rec if "own forward" in str(w.message))
+    assert all(n in message for n in ("word (_ScaledEmbedding)", "pos (_Positions)", "router (_Router)"))
+    summary = tt.comera_summary
+    assert set(summary.rewritten) == {"plain", "out"}
+    assert "_ScaledEmbedding has its own forward" in summary.kept_dense["word"]
+    assert isinstance(tt.plain, TTLinear) and type(tt.router) is _Router
+    ids = torch.randint(0, 300, (3, 9))
+    torch.testing.assert_close(tt(ids), model(ids), rtol=1e-9, atol=1e-9)
+    _assert_untouched(model, snap)
+    with pytest.raises(cc.TensorizeError, match=r"'word'.*_ScaledEmbedding replaces nn.Embedding.forward"):
+        cc.tensorize(model, rank=4, include=["word", "out"], inplace=True)
+    _assert_untouched(model, snap)

@@ -137,6 +137,42 @@ def _kind(mod: nn.Module) -> str | None:
     return None
 
 
+# The torch class whose forward a TT layer of each kind reproduces.
+_BASE = {"linear": nn.Linear, "embedding": nn.Embedding, "embedding_bag": nn.EmbeddingBag}
+
+
+def _own_forward(mod: nn.Module, kind: str) -> str | None:
+    """The base class whose forward `mod`'s class replaces with one computing something else
+    (transformers' scaled word embeddings and learned position embeddings, MoE routers), or None.
+
+    A TT layer computes only the base class's forward.  A replaced forward is run once on a small probe
+    (no hooks, no grad) and kept as a plain linear map or lookup where it computes one (Falcon's
+    ``input @ weight.T + bias``); anything else, or a forward that does not take the base's input, is not."""
+    base = _BASE.get(kind)
+    if base is None or type(mod).forward is base.forward:
+        return None
+    weight = mod.weight
+    if weight.is_meta or kind == "embedding_bag":
+        return f"nn.{base.__name__}"
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            if kind == "linear":
+                x = torch.randn(2, mod.in_features, generator=gen).to(weight.device, weight.dtype)
+                got, want = type(mod).forward(mod, x), nn.functional.linear(x, weight, mod.bias)
+            else:
+                ids = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(weight.device)
+                got, want = type(mod).forward(mod, ids), nn.functional.embedding(ids, weight, mod.padding_idx)
+        torch.testing.assert_close(got, want)
+    except Exception:  # a different map, output or signature: not the base class's forward
+        return f"nn.{base.__name__}"
+    return None
+
+
+def _custom_reason(mod: nn.Module, kind: str) -> str:
+    return f"{type(mod).__name__} has its own forward, which a {_TT_CLASS[kind]} would not compute"
+
+
 def _dims(mod: nn.Module, kind: str) -> tuple[int, int]:
     if kind == "linear":
         return mod.in_features, mod.out_features
@@ -266,6 +302,12 @@ def _keep_dense_reason(model: nn.Module, name: str, mod: nn.Module, kind: str, s
         return f"no shape for {dims} in the preset"
     if shape is None and min(dims) < opts.min_features:
         return f"smaller than min_features={opts.min_features}"
+    base = _own_forward(mod, kind)
+    if base is not None:
+        if explicit:
+            raise TensorizeError(f"cannot tensorize {name!r}: its class {type(mod).__name__} replaces {base}."
+                                 f"forward, and a {_TT_CLASS[kind]} computes only {base}'s; exclude it")
+        return _custom_reason(mod, kind)
     if kind in ("embedding", "embedding_bag") and _unsupported_embedding_options(mod):
         unsupported = _unsupported_embedding_options(mod)
         cls, tt_cls = type(mod).__name__, _TT_CLASS[kind]
@@ -299,6 +341,7 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     tied_groups: list[str] = []
     grown: list[str] = []  # kept dense: the default rank would have made them bigger
     bigger: list[str] = []  # rewritten at the rank or shape asked for, though bigger than dense
+    custom: list[str] = []  # kept dense: a subclass with its own forward
     for name, mod in model.named_modules():
         kind = _kind(mod)
         if kind is None:
@@ -308,6 +351,8 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
         reason = _keep_dense_reason(model, name, mod, kind, shape, opts, inside_mha, owners, tied_groups)
         if reason is not None:
             summary.kept_dense[name] = reason
+            if reason == _custom_reason(mod, kind):
+                custom.append(f"{name} ({type(mod).__name__})")
             continue
         rank = shape.rank if shape is not None and shape.rank is not None else opts.rank
         spec = _spec(mod, kind, rank, shape, opts.d, name)
@@ -327,11 +372,12 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     if opts.include is not None and not rewrites:
         raise TensorizeError(f"include {opts.include} selects no layer that can be tensorized "
                              f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
-    return Selection(rewrites, names_of, summary, _warnings(summary, opts.tied, tied_groups, grown, bigger))
+    return Selection(rewrites, names_of, summary, _warnings(summary, opts.tied, tied_groups, grown, bigger,
+                                                                  custom))
 
 
 def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],
-              bigger: list[str]) -> list[str]:
+              bigger: list[str], custom: list[str]) -> list[str]:
     """The warnings a selection gives (tied groups, layers kept dense or grown by their TT form); records
     the untied groups in the summary."""
     out = []
@@ -348,6 +394,9 @@ def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grow
         out.append(f"tensorize: kept {len(grown)} layer(s) dense: at the default rank their TT form would "
                    f"have no fewer parameters ({'; '.join(grown[:4])}{'; ...' if len(grown) > 4 else ''}). "
                    f"Pass a smaller rank to tensorize them.")
+    if custom:
+        out.append(f"tensorize: kept {len(custom)} layer(s) dense whose class has its own forward, which a TT "
+                   f"layer would not compute ({'; '.join(custom[:4])}{'; ...' if len(custom) > 4 else ''}).")
     if bigger:
         out.append(f"tensorize: {len(bigger)} layer(s) are no smaller as TT at the rank or shape asked for "
                    f"({'; '.join(bigger[:4])}{'; ...' if len(bigger) > 4 else ''}).")
