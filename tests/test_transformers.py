@@ -43,6 +43,38 @@ def test_full_rank_svd_logits_match_dense(factory):
     assert (out - ref).abs().max() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
+def _opt():
+    cfg = transformers.OPTConfig(vocab_size=211, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=80, word_embed_proj_dim=64,
+                                 pad_token_id=0, dropout=0.0)
+    return transformers.OPTForCausalLM(cfg)
+
+
+def _gemma3():
+    cfg = transformers.Gemma3TextConfig(vocab_size=211, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                        head_dim=16, max_position_embeddings=64, pad_token_id=0,
+                                        tie_word_embeddings=False)
+    return transformers.Gemma3ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("factory,kept", [(_opt, "model.decoder.embed_positions"), (_gemma3, "model.embed_tokens")],
+                         ids=["opt", "gemma3"])
+def test_embeddings_with_their_own_forward_stay_dense_and_the_logits_match_dense(factory, kept):
+    """OPT's learned position embedding (called with a mask) and Gemma's scaled word embedding (rows times
+    sqrt(d)) are nn.Embedding subclasses computing something else: tensorize keeps them dense with a
+    warning, and at full rank the TT model's logits are the dense model's (float64)."""
+    dense = factory().double().eval()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        tt = cc.tensorize(dense, rank=FULL, init="svd", min_features=1, tied="untie")
+    assert any("own forward" in str(w.message) and kept in str(w.message) for w in rec)
+    assert "has its own forward" in tt.comera_summary.kept_dense[kept]
+    assert sum(isinstance(m, TTLinear) for m in tt.modules()) >= 13  # every layer's and the head
+    ids = torch.randint(1, 211, (2, 16))
+    torch.testing.assert_close(tt(ids).logits, dense(ids).logits, rtol=1e-8, atol=1e-8)
+
+
 @pytest.mark.parametrize("factory", [_bert, _gpt2], ids=["bert", "gpt2"])
 def test_forward_and_backward_at_low_rank(factory):
     dense = factory()
