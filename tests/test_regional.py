@@ -103,6 +103,52 @@ def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dyn
     assert eager_blocks(model) == {}
 
 
+# More decoder families, at 12 layers and small widths: (config class, its fields, graphs for the kinds of
+# block it has).  Gemma 3 and Cohere 2 alternate sliding-window and full attention layers: two kinds.
+_SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
+              num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
+_MORE = {
+    "qwen3": ("Qwen3Config", dict(_SMALL, head_dim=32), 1),
+    "gemma3": ("Gemma3TextConfig", dict(_SMALL, head_dim=32, sliding_window=16), 2),
+    "cohere2": ("Cohere2Config", dict(_SMALL, sliding_window=16), 2),
+    "olmo2": ("Olmo2Config", _SMALL, 1),
+    "phi3": ("Phi3Config", _SMALL, 1),
+    "mixtral": ("MixtralConfig", dict(_SMALL, num_local_experts=4, num_experts_per_tok=2), 1),
+    "opt": ("OPTConfig", dict(vocab_size=VOCAB, hidden_size=128, ffn_dim=256, num_hidden_layers=LAYERS,
+                              num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=128,
+                              pad_token_id=0, dropout=0.0), 1),
+    "falcon": ("FalconConfig", dict(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=LAYERS,
+                                    num_attention_heads=4, new_decoder_architecture=True, num_kv_heads=4), 1),
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                       num_hidden_layers=LAYERS, num_attention_heads=4,
+                                       max_position_embeddings=64), 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(_MORE))
+def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh_dynamo):
+    """cc.compile_step at its defaults on nine more decoder families at 12 layers, tensorized with a
+    warning-free default path: one graph per kind of block (two where sliding-window and full attention
+    layers alternate), no block eager, and two steps that compute what the eager model computes."""
+    name, fields, kinds = _MORE[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**fields))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cc.tensorize(model, rank=8, min_features=64)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    eager_opt = torch.optim.AdamW(cc.param_groups(eager, lr=1e-3))
+    step = cc.compile_step(model, _loss, opt)
+    assert len(cc.repeated_blocks(model)) == LAYERS
+    for i in range(2):
+        x, y = _batch(i)
+        torch.testing.assert_close(step(x, y), _eager_step(eager, eager_opt, x, y), rtol=1e-4, atol=1e-5)
+    assert _graphs() == kinds
+    assert eager_blocks(model) == {}
+
+
 def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_dynamo):
     """On a 12-layer Llama: a RankAdaptive re-allocation costs one recompile for all twelve layers; eval
     mode one more graph, whose logits are the eager model's; an explicit use_cache=True still gets a filled
