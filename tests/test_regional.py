@@ -19,7 +19,7 @@ from torch._dynamo.utils import counters
 
 import comera_compile as cc
 from comera_compile.regional import eager_blocks
-from helpers import readme_marked_block
+from helpers import readme_marked_block, second_compile_from_aot_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -101,6 +101,25 @@ def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dyn
         torch.testing.assert_close(got, _eager_step(eager, eager_opt, x, y), rtol=1e-4, atol=1e-5)
     assert _graphs() == 1
     assert eager_blocks(model) == {}
+
+
+def test_a_new_run_of_a_12_layer_decoder_finds_its_graph_in_aotautograd_s_cache(fresh_dynamo):
+    """A second run (dynamo reset, as a restarted job or another data-parallel process) of cc.compile_step on
+    a 12-layer Llama is served by AOTAutograd's cache, one hit and no bypass, and the steps it serves train
+    the model as the eager loop trains a copy (forward, backward and update)."""
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.AdamW(cc.param_groups(m, lr=1e-3)) for m in (model, twin))
+    batches = iter(range(2))
+
+    def step(compiled):
+        x, y = _batch(next(batches))
+        return compiled(x, y), _eager_step(twin, twin_opt, x, y)
+
+    got, want = second_compile_from_aot_cache(lambda: cc.compile_step(model, _loss, opt), step)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # More decoder families, at 12 layers and small widths: (config class, its fields, graphs for the kinds of

@@ -137,36 +137,33 @@ def _kind(mod: nn.Module) -> str | None:
     return None
 
 
-# The torch class whose forward a TT layer of each kind reproduces.
 _BASE = {"linear": nn.Linear, "embedding": nn.Embedding, "embedding_bag": nn.EmbeddingBag}
 
 
 def _own_forward(mod: nn.Module, kind: str) -> str | None:
     """The base class whose forward `mod`'s class replaces with one computing something else
     (transformers' scaled word embeddings and learned position embeddings, MoE routers), or None.
-
-    A TT layer computes only the base class's forward.  A replaced forward is run once on a small probe
-    (no hooks, no grad) and kept as a plain linear map or lookup where it computes one (Falcon's
-    ``input @ weight.T + bias``); anything else, or a forward that does not take the base's input, is not."""
+    A TT layer computes only the base class's forward, so a replaced forward is run once on a small probe
+    (no hooks, no grad) and counts as the base's only where it computes the plain linear map or lookup
+    (Falcon's ``input @ weight.T + bias``); a bag's, or one whose weight is on the meta device, does not."""
     base = _BASE.get(kind)
     if base is None or type(mod).forward is base.forward:
         return None
-    weight = mod.weight
-    if weight.is_meta or kind == "embedding_bag":
+    w, gen = mod.weight, torch.Generator().manual_seed(0)
+    if kind == "embedding_bag" or w.is_meta:
         return f"nn.{base.__name__}"
-    gen = torch.Generator().manual_seed(0)
-    try:
+    try:   # a different map, output or signature raises: not the base class's forward
         with torch.no_grad():
             if kind == "linear":
-                x = torch.randn(2, mod.in_features, generator=gen).to(weight.device, weight.dtype)
-                got, want = type(mod).forward(mod, x), nn.functional.linear(x, weight, mod.bias)
+                x = torch.randn(2, mod.in_features, generator=gen).to(w.device, w.dtype)
+                got, want = type(mod).forward(mod, x), nn.functional.linear(x, w, mod.bias)
             else:
-                ids = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(weight.device)
-                got, want = type(mod).forward(mod, ids), nn.functional.embedding(ids, weight, mod.padding_idx)
+                x = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(w.device)
+                got, want = type(mod).forward(mod, x), nn.functional.embedding(x, w, mod.padding_idx)
         torch.testing.assert_close(got, want)
-    except Exception:  # a different map, output or signature: not the base class's forward
+        return None
+    except Exception:
         return f"nn.{base.__name__}"
-    return None
 
 
 def _custom_reason(mod: nn.Module, kind: str) -> str:
