@@ -144,8 +144,15 @@ _MORE = {
 }
 
 
+_OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+_FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(
+    _OLD_TORCH, strict=True, reason="torch 2.11 (with transformers 5.17): the grouped-mm experts read a scalar "
+    "(aten._local_scalar_dense) that AOTAutograd cannot trace, so dynamo splits each block into 4 graphs, "
+    "shared by all 12 layers")) if f == "mixtral" else f for f in sorted(_MORE)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(_MORE))
+@pytest.mark.parametrize("family", _FAMILIES)
 def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh_dynamo):
     """cc.compile_step at its defaults on nine more decoder families at 12 layers, tensorized with a
     warning-free default path: one graph per kind of block (two where sliding-window and full attention
