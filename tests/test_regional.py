@@ -154,8 +154,8 @@ _FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", _FAMILIES)
 def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh_dynamo):
-    """cc.compile_step at its defaults on nine more decoder families at 12 layers, tensorized with a
-    warning-free default path: one graph per kind of block (two where sliding-window and full attention
+    """cc.compile_step at its defaults on nine more decoder families at 12 layers, tensorized at rank 8 as
+    the other 12-layer tests are: one graph per kind of block (two where sliding-window and full attention
     layers alternate), no block eager, and two steps that compute what the eager model computes."""
     name, fields, kinds = _MORE[family]
     torch.manual_seed(0)
