@@ -53,15 +53,23 @@ def compile_block(block: nn.Module, *, name: str | None = None, **compile_kwargs
     one compiled graph and other classes do not count against it.
 
     Where dynamo would run the block eagerly from its recompile limit on, it runs eagerly with a warning that
-    names the block (``name``, else its class) and the fix; with ``fullgraph=True`` that is an error.  A call
+    names the block (``name``, else its class) and the fix, once per block class and cause among the blocks
+    of one ``compile_blocks`` call; with ``fullgraph=True`` that is an error.  A call
     that hands the block a transformers KV cache runs eagerly with a warning (each layer's cache state is
     guarded per layer, so every layer would compile a graph of its own): ``compile_blocks`` turns the cache
     off by default."""
+    _compile_block(block, name, set(), compile_kwargs)
+
+
+def _compile_block(block: nn.Module, name: str | None, warned: set[tuple[type, str]],
+                   compile_kwargs: dict[str, Any]) -> None:
+    """compile_block; `warned` holds the (block class, cause) pairs already said, shared by the blocks of one
+    compile_blocks call so that a cause is said once per class, not once per layer."""
     call = _block_call(type(block))
     compiled = torch.compile(types.FunctionType(call.__code__, call.__globals__, call.__name__, None,
                                                 (types.CellType(block._call_impl),)), **compile_kwargs)
     block._compiled_call_impl = _dispatch(block, compiled, name or type(block).__name__,
-                                          bool(compile_kwargs.get("fullgraph", False)))
+                                          bool(compile_kwargs.get("fullgraph", False)), warned)
 
 
 @functools.cache
@@ -82,7 +90,8 @@ def _is_kv_cache(value: Any) -> bool:
                for c in type(value).__mro__)
 
 
-def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgraph: bool) -> Callable[..., Any]:
+def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgraph: bool,
+              warned: set[tuple[type, str]]) -> Callable[..., Any]:
     """The block's call: the compiled function, or the block's own call where compiling cannot serve."""
     config = torch._dynamo.config
     try:
@@ -96,7 +105,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         if torch.compiler.is_compiling() or block.__dict__.get("_comera_eager"):   # (in another compile: traced)
             return call_impl(*args, **kwargs)
         if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
-            _eager(block, name, "it was handed a transformers KV cache, whose state dynamo guards layer by "
+            _eager(block, name, warned, "it was handed a transformers KV cache, whose state dynamo guards layer by "
                    "layer (every layer would compile a graph of its own)",
                    "pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
                    "which turns the cache off unless a call asks for it", remember=False)
@@ -117,7 +126,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
                    "torch._dynamo.config.recompile_limit")
             if fullgraph:
                 raise RuntimeError(f"compiled block {name} cannot be compiled: {why}. To fix it, {fix}") from e
-            _eager(block, name, why, fix)
+            _eager(block, name, warned, why, fix)
             return call_impl(*args, **kwargs)
         finally:
             setattr(config, flag, before)
@@ -125,14 +134,20 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
     return run
 
 
-def _eager(block: nn.Module, name: str, why: str, fix: str, remember: bool = True) -> None:
-    """Warn (once per block and cause) that the block runs eagerly; remember=True keeps it eager."""
-    seen = getattr(block, "_comera_eager_warned", set())
-    if why not in seen:
-        seen.add(why)
-        block._comera_eager_warned = seen
-        warnings.warn(f"comera_compile: block {name} runs eagerly{' from now on' if remember else ''}: {why}. "
-                      f"To fix it, {fix}.", UserWarning, stacklevel=4)
+def _eager(block: nn.Module, name: str, warned: set[tuple[type, str]], why: str, fix: str,
+           remember: bool = True) -> None:
+    """Warn, once per block class and cause, that the block runs eagerly; remember=True keeps it eager.
+
+    Layers of one class meet the same cause one after another (a 32-layer ``generate()`` hands each its
+    cache), so the first names itself and stands for the rest; ``eager_blocks`` lists every one kept eager."""
+    key = (type(block), why)
+    if key not in warned:
+        warned.add(key)
+        others = f"; so will every other {type(block).__name__} block it happens to"
+        if remember:
+            others += " (cc.regional.eager_blocks(model) lists them)"
+        warnings.warn(f"comera_compile: block {name} runs eagerly{' from now on' if remember else ''}: {why}"
+                      f"{others}. To fix it, {fix}.", UserWarning, stacklevel=4)
     if remember:
         block._comera_eager = why
 
@@ -198,6 +213,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
     cache_off_by_default(inner)
     names = {m: n for n, m in inner.named_modules()}
     blocks = repeated_blocks(inner)
+    warned: set[tuple[type, str]] = set()
     for block in blocks:
-        compile_block(block, name=names.get(block), **compile_kwargs)
+        _compile_block(block, names.get(block), warned, compile_kwargs)
     return blocks
