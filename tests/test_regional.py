@@ -420,6 +420,66 @@ def test_a_12_layer_decoder_backward_inside_bf16_autocast_matches_outside(family
         assert (inside - outside).norm() <= 2e-2 * outside.norm() + 1e-6
 
 
+def test_gradient_checkpointing_on_a_12_layer_decoder_compiles_one_graph_and_keeps_a_fraction(fresh_dynamo):
+    """model.gradient_checkpointing_enable() (what TrainingArguments(gradient_checkpointing=True) calls) with
+    cc.compile_step on a 12-layer Llama: one graph for all layers, no block eager, SGD steps that train as
+    the eager model without checkpointing does, and a compiled forward that keeps under a fifth of the
+    activations the eager model keeps for backward."""
+    from comera_compile.memory import saved_bytes
+
+    model = _model("llama")
+    plain = copy.deepcopy(model)
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    step = cc.compile_step(model, _loss, opt)
+    for i in range(2):
+        x, y = _batch(i)
+        torch.testing.assert_close(step(x, y), _eager_step(plain, plain_opt, x, y), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    assert _graphs() == 1 and eager_blocks(model) == {}
+    x, y = _batch(2)
+    kept = saved_bytes(lambda: _loss(model(x), y), exclude=model)
+    assert _graphs() == 1
+    assert kept < saved_bytes(lambda: _loss(plain(x), y), exclude=plain) / 5
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_gradient_checkpointing_recomputes_the_dropout_masks_its_compiled_forward_drew(reentrant, fresh_dynamo):
+    """GPT-2 with dropout, its blocks checkpointed and compiled by "comera", float64: the backward recomputes
+    each block, and the gradient it returns is the one of the forward that ran (the same dropout masks), by
+    central differences along a random direction through two more forwards from the same seed."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=64,
+                                     resid_pdrop=0.1, embd_pdrop=0.0, attn_pdrop=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = cc.tensorize(transformers.GPT2LMHeadModel(config), rank=8, min_features=64).double().train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    cc.compile_blocks(model)
+    x, y = _batch()
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(1)   # the same masks on every call
+        return _loss(model(x), y)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.Generator().manual_seed(2)
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    loss().backward()
+    assert _graphs() >= 1 and eager_blocks(model) == {}
+    along = sum((p.grad * d).sum() for p, d in zip(params, direction))
+    eps = 1e-6
+    ends = []
+    for sign in (1, -2):
+        with torch.no_grad():
+            for p, d in zip(params, direction):
+                p.add_(sign * eps * d)
+        ends.append(loss().detach())   # with grad: under no_grad the blocks are not checkpointed, other masks
+    torch.testing.assert_close(along, (ends[0] - ends[1]) / (2 * eps), rtol=1e-6, atol=0)
+
+
 def test_count_flops_of_a_12_layer_llama_splits_its_tt_layers_from_the_rest():
     """cc.count_flops on a tensorized 12-layer Llama at tensorize's defaults, forward under no_grad: its TT
     share is every TT linear's planned cost plus the TT embedding's own count.  (Llama's attention runs
