@@ -280,13 +280,27 @@ class _Part(nn.Module):
                     if isinstance(a, torch.Tensor) else a for a in args)
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = self.compile_part(self.part, list(args))
+            fn = self.compiled[key] = _compile_with_fake_inputs(self.compile_part, self.part, args)
         if self.label is not None and torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(self._name(args)):
                 out = fn(*args)
         else:
             out = fn(*args)
         return out[0] if self.single else out
+
+
+def _compile_with_fake_inputs(compile_part: Callable[[torch.fx.GraphModule, list], Callable],
+                              part: torch.fx.GraphModule, args: tuple) -> Callable:
+    """compile_part(part, inputs) as dynamo calls a backend: static fake inputs under a tracing context with
+    a shape environment, which Inductor's and AOTAutograd's caches need (real inputs bypass both)."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    fake = [mode.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+    with tracing(TracingContext(mode)):
+        return compile_part(part, fake)
 
 
 def launches_per_step(step: Callable[[], Any], steps: int = 5) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 import comera_compile as cc
 from comera_compile.layers import TTLayer, TTLinear
@@ -146,13 +147,17 @@ def _sgd_step(model: nn.Module, how: str):
 def test_a_compiled_profile_names_every_tt_layer_and_computes_what_eager_does(how):
     """With options={"profile": True} each TT layer's part of a compiled graph runs in its own range: the
     table has every TT layer (the blocks' graph is shared, yet each block's layers keep their own names),
-    with forward and backward time; the step lands where the eager step does."""
+    with forward and backward time; the step lands where the eager step does.  The parts are compiled as
+    dynamo compiles a graph, so Inductor's and AOTAutograd's caches serve them in the next run."""
     ids = _ids()
     eager = _tensorized()
     _sgd_step(eager, "eager")(ids)
     model = _tensorized()
     step = _sgd_step(model, how)
+    counters.clear()
     step(ids)
+    assert counters["inductor"]["fxgraph_cache_bypass"] == 0 < counters["aot_autograd"]["total"]
+    assert counters["aot_autograd"]["autograd_cache_bypass"] == 0
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-5 * q.norm(), name
     table = cc.profile(step, ids, model=model, steps=2)
