@@ -274,6 +274,12 @@ class StepGraph:
         _CAPTURING[0] = True
         try:
             graph, loss = self._graphs_api.capture(lambda: self._step(*inputs))
+        except Exception as e:
+            raise RuntimeError(
+                f"cuda_graphs='step' could not capture the training step ({type(e).__name__}: {e}).  Code in the "
+                f"step reads device values on the host (.item(), int(t), a data-dependent shape such as "
+                f"torch.unique or nonzero), which a CUDA graph cannot hold: move it out of the step, or use "
+                f"cuda_graphs='compiled'.  A failed capture can leave this process's CUDA state unusable") from e
         finally:
             _CAPTURING[0] = False
         if not isinstance(loss, torch.Tensor):

@@ -324,7 +324,43 @@ def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
-    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5)
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 6)
+
+
+class _EmbeddedNet(nn.Module):
+    """Token embedding (tensorized: an eager TT lookup outside the compiled blocks), a block, a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(1024, 64)
+        self.block = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(ids)).mean(1))
+
+
+def test_whole_step_graph_captures_an_eager_tt_embedding_and_trains_as_eager(device):
+    """cuda_graphs="step" captures the eager parts of the step too: a TT embedding's lookup, which reads its
+    indices on the host in eager mode (range check, distinct rows), takes its static path inside the capture
+    instead of failing it; the losses and parameters equal an eager AdamW loop's."""
+    needs_cuda(device, "a captured CUDA graph")
+    torch.manual_seed(0)
+    net = cc.tensorize(_EmbeddedNet(), rank=8, min_features=32)
+    assert isinstance(net.embed, TTEmbedding)
+    eager, model = copy.deepcopy(net).to(device), copy.deepcopy(net).to(device)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 1024, (16, 12), generator=g).to(device)
+    target = torch.randint(0, 5, (16,), generator=g).to(device)
+    loss_fn = nn.CrossEntropyLoss()
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    ref = _eager_losses(eager, opt, loss_fn, ids, target, 6)
+    step = cc.compile_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-2), cuda_graphs="step")
+    losses = [step(ids, target) for _ in range(6)]
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
 
 
 def test_whole_step_graph_is_one_launch_per_step(device):

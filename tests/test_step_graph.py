@@ -261,3 +261,22 @@ def test_whole_step_errors_say_what_to_do(monkeypatch):
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         cc.compile_step(nn.DataParallel(model), loss_fn, opt, backend="eager", cuda_graphs="step")
     assert not any(isinstance(g.get("lr"), torch.Tensor) for g in opt.param_groups), "a refused step changed nothing"
+
+
+def test_a_capture_that_fails_raises_an_error_naming_the_host_read_and_the_fix(monkeypatch):
+    """Where the step cannot be captured (torch raises inside the capture, as CUDA does for a host read such as
+    .item()), the error says what in the step is the cause and which mode runs it instead."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step, sim = _captured_step(monkeypatch, model, opt)
+
+    def refuse(fn):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(sim, "capture", refuse)
+    (x, y), = _batches(1)
+    step(x, y), step(x, y)   # the two warm-up calls run uncaptured
+    with pytest.raises(RuntimeError, match=r"could not capture.*\.item\(\).*cuda_graphs='compiled'") as info:
+        step(x, y)
+    assert "operation not permitted when stream is capturing" in str(info.value)
+    assert not graphs.capturing()
