@@ -5,6 +5,8 @@ bfloat16 autocast.  Variants, all in one process:
 - dense eager;
 - dense under torch.compile (Inductor; mode "reduce-overhead" on CUDA, i.e. CUDA Graphs: the fair dense
   baseline on a GPU), through the same cc.compile_step as CoMERA (regional blocks, optimizer compiled);
+- on CUDA, dense with the whole step captured as one CUDA graph (cuda_graphs="step"), as CoMERA's best
+  variant is: the ratio against it is what the TT layers gain when both sides launch one graph per step;
 - GaLore (dense + GaLore's AdamW, rank 128 projections of the encoder weights), eager;
 - CoMERA: tensorized, cc.compile_step with backend "comera": its default (each compiled block replayed by
   Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step captured as one CUDA graph
@@ -142,6 +144,11 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
     out["dense compiled"] = (compiled_dense, opt, cc.compile_step(
         compiled_dense, loss_fn, opt, backend="inductor", mode="reduce-overhead" if cuda else None,
         autocast=dtype))
+    if cuda:   # the same capture for dense: what the whole-step graph gains without TT layers
+        whole = copy_of(dense)
+        opt = adamw(whole)
+        out["dense, whole-step graph"] = (whole, opt, cc.compile_step(
+            whole, loss_fn, opt, backend="inductor", cuda_graphs="step", autocast=dtype))
     if galore:
         try:
             import galore_torch  # noqa: F401  (it imports bitsandbytes too)
@@ -213,6 +220,8 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
     comera = ms[best]
     row["CoMERA vs dense compiled"] = ms["dense compiled"] / comera
     row["CoMERA vs dense eager"] = ms["dense eager"] / comera
+    if "dense, whole-step graph" in ms:
+        row["CoMERA vs dense whole-step graph"] = ms["dense, whole-step graph"] / comera
     if "GaLore" in ms:
         row["CoMERA vs GaLore"] = ms["GaLore"] / comera
         if "GaLore MiB" in row:
