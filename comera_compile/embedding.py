@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import networks
+from .graphs import capturing
 from .layers import EXPORT_ROWS, TTLayer, check_init, profiled
 from .tt import TTSpec, cores_to_dense, make_spec, svd_cores
 
@@ -25,11 +26,12 @@ __all__ = ["TTEmbedding", "TTEmbeddingBag"]
 
 def _has_data(t: torch.Tensor) -> bool:
     """True for a real tensor in eager mode whose values the host may read: not while compiling, not a fake or
-    meta tensor, and not while a CUDA graph is captured (a capture forbids reading device values and a replay
-    would not repeat it: the lookup then takes the static path a compiled graph takes)."""
+    meta tensor, and not while a CUDA graph is captured or StepGraph probes a step for host reads (a capture
+    forbids reading device values and a replay would not repeat it: the lookup takes the static path a
+    compiled graph takes)."""
     if torch.compiler.is_compiling() or t.is_meta:
         return False
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+    if capturing() or (t.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
     from torch._subclasses.fake_tensor import is_fake
 

@@ -15,11 +15,12 @@ re-capture) runs on any device with another object of the same three methods, wh
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
@@ -30,9 +31,30 @@ _CAPTURING = [False]
 
 
 def capturing() -> bool:
-    """True while StepGraph captures a step: code in the step must not read device values on the host then
-    (``float(t)``, ``.item()``), which a capture forbids and a replay would not repeat."""
+    """True while StepGraph captures a step, or runs the warm-up call that probes it for host reads: code in
+    the step must not read device values on the host then (``float(t)``, ``.item()``, a data-dependent
+    shape), which a capture forbids and a replay would not repeat."""
     return _CAPTURING[0]
+
+
+def _stream_capturing() -> bool:   # one function for probe and capture alike: code that reads it sees one object
+    return True
+
+
+@contextlib.contextmanager
+def _capturing() -> Iterator[None]:
+    """While a step is probed or captured: ``capturing()`` is true, and so is
+    ``torch.cuda.is_current_stream_capturing()``, which libraries read to take their capture-safe paths
+    (transformers' mask helpers skip their host-side checks): the probe then runs the paths the capture
+    will, and a simulated capture on the CPU does too."""
+    real = torch.cuda.is_current_stream_capturing
+    _CAPTURING[0] = True
+    torch.cuda.is_current_stream_capturing = _stream_capturing
+    try:
+        yield
+    finally:
+        _CAPTURING[0] = False
+        torch.cuda.is_current_stream_capturing = real
 
 
 class GraphCapture(Protocol):
@@ -44,6 +66,10 @@ class GraphCapture(Protocol):
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]: ...
 
     def replay(self, graph: Any) -> None: ...
+
+    def probe(self, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+        """A warm-up call that also returns where it read device values on the host (optional: without it
+        StepGraph captures without probing first)."""
 
 
 class CudaGraphs:
@@ -67,6 +93,24 @@ class CudaGraphs:
             out = fn()
         current.wait_stream(self._stream)
         return out
+
+    def probe(self, fn: Callable[[], Any]) -> tuple[Any, list[str]]:
+        """A warm-up call under torch's CUDA sync debug mode: the synchronizing operations it runs (the host
+        reads a capture would fail on, and fail for good: a failed capture leaves the process's CUDA state
+        unusable) come back as "file:line: message"."""
+        before = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self.warmup(fn)
+            finally:
+                torch.cuda.set_sync_debug_mode(before)
+        reads = [f"{w.filename}:{w.lineno}: {w.message}" for w in seen if "synchroniz" in str(w.message)]
+        for w in seen:   # the rest as they would have been shown
+            if "synchroniz" not in str(w.message):
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        return out, reads
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Any, Any]:
         graph = torch.cuda.CUDAGraph()
@@ -239,7 +283,20 @@ class StepGraph:
         if entry is None:
             self._warm[key] = self._warm.get(key, 0) + 1
             self.warmups += 1
-            return self._graphs_api.warmup(lambda: self._step(*args))
+            probe = getattr(self._graphs_api, "probe", None)
+            if probe is None or self._warm[key] < self.warmup:
+                return self._graphs_api.warmup(lambda: self._step(*args))
+            with _capturing():   # the last warm-up runs as the capture will, and says where it reads the host
+                loss, reads = probe(lambda: self._step(*args))
+            if reads:
+                self._warm[key] = 0
+                raise RuntimeError(
+                    f"cuda_graphs='step': the step reads device values on the host, which a CUDA graph cannot "
+                    f"capture (and a failed capture leaves the process's CUDA state unusable), so it was not "
+                    f"captured; this call ran uncaptured.  {len(reads)} read(s), the first at {reads[0]}.  "
+                    f"Move that read out of the step (or compute it on the device), or use "
+                    f"cuda_graphs='compiled'")
+            return loss
         for static, a in zip(entry.inputs, args):
             if isinstance(static, torch.Tensor):
                 static.copy_(a, non_blocking=True)
@@ -271,17 +328,15 @@ class StepGraph:
         for p in self._world.params:   # a captured backward must allocate the gradients, not add to them
             p.grad = None
         had_state = set(self.optimizer.state)
-        _CAPTURING[0] = True
         try:
-            graph, loss = self._graphs_api.capture(lambda: self._step(*inputs))
+            with _capturing():
+                graph, loss = self._graphs_api.capture(lambda: self._step(*inputs))
         except Exception as e:
             raise RuntimeError(
                 f"cuda_graphs='step' could not capture the training step ({type(e).__name__}: {e}).  Code in the "
                 f"step reads device values on the host (.item(), int(t), a data-dependent shape such as "
                 f"torch.unique or nonzero), which a CUDA graph cannot hold: move it out of the step, or use "
                 f"cuda_graphs='compiled'.  A failed capture can leave this process's CUDA state unusable") from e
-        finally:
-            _CAPTURING[0] = False
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"the captured step must return the loss tensor, got {type(loss).__name__}")
         created = set(self.optimizer.state) - had_state

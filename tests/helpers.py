@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import shlex
+import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -81,6 +83,45 @@ class StaleReplay(AssertionError):
     pass
 
 
+_TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+@contextlib.contextmanager
+def host_reads(into: list[str]) -> Iterator[None]:
+    """Record, as "file:line: what", each read of a tensor's values on the host (item, bool, int, float, index,
+    tolist) and each op whose output shape depends on values (unique, nonzero, masked_select) called from
+    code outside torch's own package: what a CUDA graph capture fails on.  torch's internals are left out
+    (on the CPU its optimizers read their step counters on the host; on CUDA, made capturable, they don't)."""
+    patched = []
+
+    def wrap(owner: Any, name: str) -> None:
+        own = name in vars(owner)
+        orig = getattr(owner, name)
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            frame = sys._getframe(1)
+            if not frame.f_code.co_filename.startswith(_TORCH_DIR):
+                into.append(f"{frame.f_code.co_filename}:{frame.f_lineno}: {name}")
+            return orig(*args, **kwargs)
+
+        setattr(owner, name, recorded)
+        patched.append((owner, name, own, orig))
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "unique", "nonzero",
+                 "masked_select"):
+        wrap(torch.Tensor, name)
+    for name in ("unique", "nonzero", "masked_select"):
+        wrap(torch, name)
+    try:
+        yield
+    finally:
+        for owner, name, own, orig in reversed(patched):
+            if own:
+                setattr(owner, name, orig)
+            else:
+                delattr(owner, name)
+
+
 class SimulatedGraphs:
     """CUDA graph semantics on the CPU, strictly: a capture runs the step and undoes what it did (a real
     capture runs no kernel), keeping its loss tensor as the static output; a replay re-runs the step on the
@@ -110,16 +151,26 @@ class SimulatedGraphs:
     def warmup(self, fn):
         return fn()
 
+    def probe(self, fn):
+        reads: list[str] = []
+        with host_reads(reads):
+            out = fn()
+        return out, reads
+
     def capture(self, fn):
         assert all(p.grad is None for p in self._params()), \
             "captured with gradients set: every replay would add to them"
+        reads: list[str] = []
         baked = self._baked()
         opt = self.optimizer
         saved_params = [p.detach().clone() for p in self._params()]
         saved_state = {p: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
                        for p, s in opt.state.items()}
         rng = torch.get_rng_state()
-        out = fn()
+        with host_reads(reads):
+            out = fn()
+        if reads:   # a real capture fails here
+            raise RuntimeError(f"operation not permitted when stream is capturing (simulated): {reads[0]}")
         with torch.no_grad():   # a real capture runs no kernel: undo what the step did
             for p, s in zip(self._params(), saved_params):
                 p.copy_(s)
@@ -139,7 +190,10 @@ class SimulatedGraphs:
         for what in now:
             if now[what] != graph["baked"][what]:
                 raise StaleReplay(f"a real CUDA graph would replay stale {what}")
-        out = graph["fn"]()
+        from comera_compile.graphs import _capturing
+
+        with _capturing():   # a replay runs what was captured: the capture's code paths
+            out = graph["fn"]()
         with torch.no_grad():
             graph["out"].copy_(out)
 

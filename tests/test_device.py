@@ -14,6 +14,7 @@ the gradient autograd sends through them.
 from __future__ import annotations
 
 import copy
+import math
 import subprocess
 import sys
 import textwrap
@@ -361,6 +362,31 @@ def test_whole_step_graph_captures_an_eager_tt_embedding_and_trains_as_eager(dev
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+
+
+def test_whole_step_graph_refuses_a_host_read_before_capturing_and_cuda_still_works(device):
+    """A loss that reads a device value on the host: the probing warm-up (torch's CUDA sync debug mode) finds
+    it and the error names its line, before any capture; the process's CUDA state is intact afterwards (a
+    failed capture would have broken its random number generator), so cuda_graphs="compiled" trains on."""
+    needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 16)
+
+    def checked_loss(logits, y):
+        if (y < 0).any():   # bool() of a CUDA tensor: a synchronizing read
+            raise ValueError("negative class")
+        return F.cross_entropy(logits, y)
+
+    model = _tensorized_net(device)
+    step = cc.compile_step(model, checked_loss, torch.optim.AdamW(model.parameters(), lr=1e-3), cuda_graphs="step")
+    step(x, target)
+    with pytest.raises(RuntimeError, match=r"reads device values on the host.*test_device\.py:\d+"):
+        step(x, target)
+    assert step.graph.captures == 0
+    torch.randn(4, device=device)   # the generator is not left capturing
+    other = _tensorized_net(device, seed=1)
+    again = cc.compile_step(other, checked_loss, torch.optim.AdamW(other.parameters(), lr=1e-3))
+    losses = [float(again(x, target)) for _ in range(3)]
+    assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
 
 
 def test_whole_step_graph_is_one_launch_per_step(device):

@@ -366,8 +366,10 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
 def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypatch, fresh_dynamo):
     """compile_step(cuda_graphs="step") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
     param_groups, RankAdaptive at its defaults), the capture simulated on the CPU (helpers.SimulatedGraphs:
-    a stale replay fails): one compiled graph for the twelve layers, two warm-ups, one capture, and the
-    losses and parameters of the eager loop, step for step."""
+    a stale replay or a host read fails): two warm-ups, one capture, and the losses and parameters of the
+    eager loop, step for step.  While a CUDA graph is captured, transformers builds an explicit mask instead
+    of reading one on the host; the probing warm-up takes that path as the capture will, so the layers
+    compile for it there (a few graphs for all twelve, none per layer) and nothing compiles in the capture."""
     from comera_compile import graphs
     from helpers import SimulatedGraphs
 
@@ -384,8 +386,10 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
         x, y = _batch(i)
         got = step(x, y)
         torch.testing.assert_close(got, _eager_step(ref, ref_opt, x, y, ref_ra), rtol=1e-4, atol=1e-5)
+        if i == 1:
+            warmed = _graphs()
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
-    assert _graphs() == 1 and eager_blocks(model) == {}
+    assert warmed <= 3 and _graphs() == warmed and eager_blocks(model) == {}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
 

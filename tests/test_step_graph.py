@@ -280,3 +280,62 @@ def test_a_capture_that_fails_raises_an_error_naming_the_host_read_and_the_fix(m
         step(x, y)
     assert "operation not permitted when stream is capturing" in str(info.value)
     assert not graphs.capturing()
+
+
+class EmbeddedNet(nn.Module):
+    """A token embedding (tensorized: an eager TT lookup outside the compiled blocks) before Net's blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(512, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(1))
+
+
+def test_an_eager_tt_embedding_reads_nothing_on_the_host_inside_the_capture_and_trains_as_eager(monkeypatch):
+    """The TT embedding's eager lookup reads its indices on the host (range check, distinct rows), which failed
+    a real capture on an H100.  Probed and captured, it takes the static path a compiled graph takes: no host
+    read in the step, one capture, and the steps equal an eager AdamW loop's."""
+    torch.manual_seed(0)
+    net = cc.tensorize(EmbeddedNet(), rank=4, min_features=16)
+    assert type(net.embed).__name__ == "TTEmbedding"
+    model, eager = copy.deepcopy(net), copy.deepcopy(net)
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager))
+    step, sim = _captured_step(monkeypatch, model, opt)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randint(0, 512, (8, 6), generator=g), torch.randint(0, 5, (8,), generator=g))] * 6
+    losses, ref = _train_both(step, _eager_step(eager, ref_opt), batches)
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4) and sim.captured == 1
+    torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, eager)
+
+
+def test_a_host_read_in_the_step_is_an_error_before_any_capture_naming_where(monkeypatch):
+    """A loss that reads a device value on the host (here a check on the targets) cannot be captured, and a real
+    failed capture would leave the process's CUDA state unusable: the probing warm-up finds the read and the
+    error names its line and the fix, with nothing captured; the call itself ran, uncaptured."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sim = SimulatedGraphs(model, opt)
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+
+    def checked_loss(logits, y):
+        if (y < 0).any():   # a host read: bool() of a device tensor
+            raise ValueError("negative class")
+        return F.cross_entropy(logits, y)
+
+    step = cc.compile_step(model, checked_loss, opt, cuda_graphs="step", backend="eager")
+    (x, y), = _batches(1)
+    step(x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"reads device values on the host.*test_step_graph\.py:\d+: __bool__"
+                                           r".*cuda_graphs='compiled'"):
+        step(x, y)
+    assert sim.captured == 0 and step.graph.captures == 0
+    assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), before)), "the probed call trained"
