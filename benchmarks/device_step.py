@@ -16,18 +16,13 @@ bfloat16 autocast.  Variants, all in one process:
   common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
   A variant whose first call fails is reported in the row ("<variant> error") and left out.
 
-First, each variant alone: its first call (compiles included, in this process: later variants find
-Inductor's caches warmer) and its peak device memory over its first three steps (the steps that record
-CUDA Graphs, whose memory pool the replays reuse): torch.cuda.max_memory_allocated above what was
-allocated before, plus the variant's own parameters.  Then step times, interleaved across the variants,
-medians after warm-up, from CUDA events (on the CPU: the host clock).  Last, each variant's cc.breakdown
-at that step time: kernel and graph launches from the host, kernels run, the device's idle share of the step,
-the matrix products' share of its busy time, and the FLOP rate (cc.count_flops of the same model run
-eagerly) against the matmul peak measured here in the row's precision (cc.matmul_peak).
-
-``comera-compile bench --device cuda`` runs this with the embedding and TT-linear benches; ``--device cpu``
-runs the same code paths at reduced sizes on the CPU (no memory figures there: CPU memory is not
-tracked by an allocator of torch's)."""
+First, each variant alone: its first call (compiles included; later variants find Inductor's caches
+warmer) and its peak device memory over its first three steps, which record the CUDA Graphs
+(step_peak_bytes).  Then step times, interleaved across the variants, medians after warm-up, from CUDA
+events (on the CPU: the host clock).  Last, each variant's cc.breakdown at that step time: launches, kernels,
+idle share, the matrix products' share of the busy time, and the FLOP rate against the matmul peak
+measured here in the row's precision.  ``comera-compile bench --device cuda`` runs this with the embedding
+and TT-linear benches; ``--device cpu`` runs the same code paths at reduced sizes (no memory figures)."""
 
 from __future__ import annotations
 
