@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 from torch import nn
 
-__all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "capturing", "check_capturable", "make_capturable"]
+__all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "HostReadError", "capturing", "check_capturable",
+           "make_capturable"]
 
 _CAPTURING = [False]
 
@@ -55,6 +56,15 @@ def _capturing() -> Iterator[None]:
     finally:
         _CAPTURING[0] = False
         torch.cuda.is_current_stream_capturing = real
+
+
+class HostReadError(RuntimeError):
+    """The probing warm-up call found host reads, so the step was not captured.  The call itself ran: ``loss``
+    is its result; ``reads`` says where each read was ("file:line: what")."""
+
+    def __init__(self, message: str, reads: list[str], loss: torch.Tensor) -> None:
+        super().__init__(message)
+        self.reads, self.loss = reads, loss
 
 
 class GraphCapture(Protocol):
@@ -290,12 +300,12 @@ class StepGraph:
                 loss, reads = probe(lambda: self._step(*args))
             if reads:
                 self._warm[key] = 0
-                raise RuntimeError(
+                raise HostReadError(
                     f"cuda_graphs='step': the step reads device values on the host, which a CUDA graph cannot "
                     f"capture (and a failed capture leaves the process's CUDA state unusable), so it was not "
                     f"captured; this call ran uncaptured.  {len(reads)} read(s), the first at {reads[0]}.  "
                     f"Move that read out of the step (or compute it on the device), or use "
-                    f"cuda_graphs='compiled'")
+                    f"cuda_graphs='compiled'", reads, loss)
             return loss
         for static, a in zip(entry.inputs, args):
             if isinstance(static, torch.Tensor):

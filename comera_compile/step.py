@@ -6,10 +6,12 @@ one by one are comera_compile.regional's.  docs/method.md section 7 has the meas
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
 from comera_compile.regional import compile_blocks
 
@@ -59,7 +61,7 @@ class CudaGraphCaptures:
             torch.cuda.CUDAGraph.capture_begin = self._saved
 
 
-CUDA_GRAPHS = (None, "compiled", "step", "off")
+CUDA_GRAPHS = (None, "auto", "compiled", "step", "off")
 
 
 def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
@@ -94,8 +96,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     them launched kernel by kernel; "step" captures the whole step -- forward, loss, backward, optimizer step,
     zero_grad -- as one CUDA graph (``graphs.StepGraph``: static input buffers, a capturable optimizer,
     ``warmup`` calls per input shape before the capture, a new capture after a rank re-allocation, a new
-    input shape or a changed optimizer setting) and replays it, one launch per step; "off" launches every
-    kernel.  Ignored on the CPU, except "step", which is an error there.
+    input shape or a changed optimizer setting) and replays it, one launch per step; "auto" is "step" where
+    the step can be captured and "compiled" otherwise, with a warning that says why: an optimizer without
+    ``capturable``, DDP or FSDP2, or a host read the last warm-up call found (the blocks then recompile
+    once with their own graphs); mode "reduce-overhead" or the backend options ``cudagraphs`` or ``profile``
+    choose "compiled" without one.  "off" launches every kernel.  On the CPU every mode but "step" (an error
+    there) runs the same code.  ``step.cuda_graphs`` is the mode in effect (None on the CPU) and
+    ``step.graph`` the StepGraph (its captures, replays and warm-ups) while that mode is "step".
 
     mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
     records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
@@ -113,13 +120,16 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     kwargs: dict[str, Any] = {"options": options} if options else {}
     if mode is not None:
         kwargs["mode"] = mode
-    on_cuda = any(p.is_cuda for p in model.parameters())
+    on_cuda = _on_cuda(model)
     if keep_memory and not on_cuda:
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    whole = cuda_graphs == "step"
-    if whole or (cuda_graphs == "off" and on_cuda):
-        kwargs = _without_cuda_graphs(kwargs, backend, "step" if whole else "off")
+    chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs)
+    auto = cuda_graphs == "auto" and chosen == "step"   # a host read found before the capture: "compiled"
+    whole = chosen == "step"
+    compiled_kwargs = kwargs
+    if whole or (chosen == "off" and on_cuda):
+        kwargs = _without_cuda_graphs(kwargs, backend, chosen)
     if whole:   # refused before anything is compiled or changed
         from comera_compile import graphs as _graphs
 
@@ -134,11 +144,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         with torch.autocast(device_type, dtype=autocast, cache_enabled=not whole):
             return loss_fn(model(*inputs), target)
 
-    blocks = compile_blocks(model, backend=backend, fullgraph=fullgraph, **kwargs) if regional else []
-    if blocks:
-        fwd = forward_loss
-    else:
-        fwd = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **kwargs)
+    def compile_forward(compile_kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
+        if regional and compile_blocks(model, backend=backend, fullgraph=fullgraph, **compile_kwargs):
+            return forward_loss
+        return torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **compile_kwargs)
+
+    fwd = compile_forward(kwargs)
     if compile_optimizer:   # torch's own kernels, compiled: the groups' marks asking for fused ones go
         for group in optimizer.param_groups:
             group.pop(FAST_KEY, None)
@@ -155,6 +166,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         # a compiled graph's output lives in CUDA Graph memory that the next step's replay overwrites
         return loss.detach().clone() if on_cuda and not whole else loss.detach()
 
+    inner: Callable[..., torch.Tensor] = run
+    graph = None
     if whole:
         from comera_compile.graphs import StepGraph
         from comera_compile.rank_adaptive import host_state, rank_adaptive_of
@@ -162,18 +175,64 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         ra = rank_adaptive if rank_adaptive is not None else rank_adaptive_of(model)
         graph = StepGraph(run, model, optimizer, warmup=warmup, graphs=capture,
                           extra=(lambda: host_state(ra)) if ra is not None else None)
-        inner: Callable[..., torch.Tensor] = graph
-    else:
-        graph, inner = None, run
+        inner = graph
+
+    def fall_back(e: HostReadError) -> torch.Tensor:
+        """cuda_graphs="auto" after the probe found a host read: say so, and go on as "compiled"."""
+        nonlocal whole, fwd, inner
+        warnings.warn(f"compile_step(cuda_graphs='auto'): the step reads device values on the host "
+                      f"({len(e.reads)} read(s), the first at {e.reads[0]}), which one CUDA graph "
+                      f"cannot capture, so it runs with cuda_graphs='compiled' from now on (each compiled graph "
+                      f"replayed on its own; the blocks compile once more).  For the faster whole-step graph, "
+                      f"move that read out of the step; pass cuda_graphs='compiled' to choose this and silence "
+                      f"this warning", stacklevel=3)
+        whole, inner = False, run
+        fwd = compile_forward(compiled_kwargs)
+        step.graph, step.cuda_graphs = None, "compiled"
+        return e.loss   # the probing call ran, uncaptured: its step is done
 
     def step(*args: Any) -> torch.Tensor:
-        loss = inner(*args)
+        try:
+            loss = inner(*args)
+        except HostReadError as e:
+            if not (auto and whole):
+                raise
+            loss = fall_back(e)
         if rank_adaptive is not None:   # eager, after every compiled part of the step has run
             rank_adaptive.step(loss)
         return loss
 
-    step.graph = graph   # the StepGraph (its captures, replays and warm-ups) with cuda_graphs="step"
+    step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
+    step.cuda_graphs = chosen if on_cuda or whole else None
     return step
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    return any(p.is_cuda for p in model.parameters())
+
+
+def _choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch.optim.Optimizer,
+                        model: torch.nn.Module, backend: str | Callable, kwargs: dict[str, Any]) -> str | None:
+    """The cuda_graphs mode a step runs in: the one asked for, "compiled" for the default, and for "auto"
+    "step" where nothing known refuses the capture (else "compiled", with a warning where the caller did not
+    ask for per-graph replays or profiling)."""
+    if cuda_graphs is None:
+        return "compiled"
+    if cuda_graphs != "auto":
+        return cuda_graphs
+    options = kwargs.get("options") or {}
+    if (not on_cuda or kwargs.get("mode") == "reduce-overhead" or options.get("cudagraphs")
+            or options.get("profile") or backend == "cudagraphs"):
+        return "compiled"   # the CPU, or graphs (or per-layer profiling) of each compiled piece asked for
+    from comera_compile.graphs import check_capturable
+
+    try:
+        check_capturable(optimizer, model)
+    except ValueError as e:
+        warnings.warn(f"compile_step(cuda_graphs='auto'): the step runs with cuda_graphs='compiled' (each "
+                      f"compiled graph replayed on its own), not as one CUDA graph: {e}", stacklevel=3)
+        return "compiled"
+    return "step"
 
 
 def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import math
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -387,6 +388,59 @@ def test_whole_step_graph_refuses_a_host_read_before_capturing_and_cuda_still_wo
     again = cc.compile_step(other, checked_loss, torch.optim.AdamW(other.parameters(), lr=1e-3))
     losses = [float(again(x, target)) for _ in range(3)]
     assert all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+    # "auto" probes the same way and falls back to per-graph replays, with a warning naming the read
+    model = _tensorized_net(device, seed=2)
+    auto = cc.compile_step(model, checked_loss, torch.optim.AdamW(model.parameters(), lr=1e-3), cuda_graphs="auto")
+    assert auto.cuda_graphs == "step"
+    losses = [float(auto(x, target))]
+    with pytest.warns(UserWarning, match=r"test_device\.py:\d+.*cuda_graphs='compiled' from now on"):
+        losses.append(float(auto(x, target)))
+    losses += [float(auto(x, target)) for _ in range(3)]
+    assert auto.cuda_graphs == "compiled" and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+
+
+def test_auto_captures_a_12_layer_transformers_llama_whole_and_trains_as_eager(device):
+    """cuda_graphs="auto" (the default-to-be on CUDA) on a tensorized 12-layer Llama from transformers, with
+    CoMERA's param_groups and RankAdaptive: the probe finds no host read in transformers' code on a real GPU,
+    so the whole step is captured once and replayed, and the losses and parameters are the eager loop's."""
+    needs_cuda(device, "a captured CUDA graph")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=12,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+
+    def build():
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = cc.tensorize(transformers.AutoModelForCausalLM.from_config(config), rank=8,
+                                 min_features=64).to(device)
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+        return model, opt, cc.RankAdaptive(model, optimizer=opt)
+
+    def loss_fn(out, labels):
+        return F.cross_entropy(out.logits.flatten(0, 1), labels.flatten())
+
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 256, (4, 32), generator=g).to(device) for _ in range(2))
+    model, opt, ra = build()
+    ref, ref_opt, ref_ra = build()
+    step = cc.compile_step(model, loss_fn, opt, cuda_graphs="auto", rank_adaptive=ra)
+    assert step.cuda_graphs == "step"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)   # no fallback, no block run eagerly
+        losses = [step(x, y) for _ in range(6)]
+    ref_losses = []
+    for _ in range(6):
+        loss = loss_fn(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        ref_ra.step(loss.detach())
+        ref_losses.append(loss.detach())
+    assert step.cuda_graphs == "step" and (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
 
 
 def test_whole_step_graph_is_one_launch_per_step(device):

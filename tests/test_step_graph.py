@@ -12,6 +12,7 @@ capture, launches counted by the profiler) is tests/test_device.py's.
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -339,3 +340,78 @@ def test_a_host_read_in_the_step_is_an_error_before_any_capture_naming_where(mon
         step(x, y)
     assert sim.captured == 0 and step.graph.captures == 0
     assert any((p - q).abs().max() > 0 for p, q in zip(model.parameters(), before)), "the probed call trained"
+
+
+def _simulated_cuda(monkeypatch, model, opt):
+    """compile_step as on a CUDA model, its graphs simulated (the parameters stay on the CPU)."""
+    sim = SimulatedGraphs(model, opt)
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+    monkeypatch.setattr(importlib.import_module("comera_compile.step"), "_on_cuda", lambda model: True)
+    return sim
+
+
+def test_auto_captures_the_whole_step_where_it_can_and_says_why_where_it_cannot(monkeypatch, recwarn):
+    """cuda_graphs="auto" on CUDA: a capturable optimizer gets the whole-step graph (trained as the eager loop,
+    no warning); an optimizer without `capturable` gets per-graph replays and a warning naming why; per-graph
+    graphs or per-layer profiling asked for get them, silently.  On the CPU it is the ordinary step."""
+    batches = _batches(6)
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    sim = _simulated_cuda(monkeypatch, model, opt)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", cuda_graphs="auto")
+    assert step.cuda_graphs == "step"
+    losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert sim.captured == 1 and step.graph.replays == 4 and not recwarn.list
+
+    model = _net()
+    with pytest.warns(UserWarning, match=r"cuda_graphs='compiled'.*Adagrad has none"):
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.Adagrad(model.parameters()),
+                               backend="eager", cuda_graphs="auto")
+    assert step.cuda_graphs == "compiled" and step.graph is None
+    for kwargs in ({"options": {"profile": True}}, {"backend": "inductor", "mode": "reduce-overhead"}):
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters()),
+                               cuda_graphs="auto", **{"backend": "eager", **kwargs})
+        assert step.cuda_graphs == "compiled", kwargs
+    assert len(recwarn.list) == 1
+    monkeypatch.undo()
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.AdamW(model.parameters()), backend="eager",
+                           cuda_graphs="auto")
+    assert step.cuda_graphs is None and step.graph is None
+
+
+def test_auto_falls_back_to_per_graph_replays_where_the_probe_finds_a_host_read(monkeypatch):
+    """cuda_graphs="auto" with a loss that reads a device value on the host: the probing warm-up finds it, a
+    warning names its line, nothing is captured, and the blocks are compiled again with their own CUDA graphs
+    on ("compiled"); every step, the probed one included, trains as the eager loop does."""
+    model, ref = _net(), _net()
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
+    sim = _simulated_cuda(monkeypatch, model, opt)
+    module = importlib.import_module("comera_compile.step")
+    compiled_with = []
+
+    def compile_blocks(model, **kwargs):
+        compiled_with.append((kwargs.get("options") or {}).get("cudagraphs"))
+        return module.compile_blocks.__wrapped__(model, **kwargs)
+
+    compile_blocks.__wrapped__ = module.compile_blocks
+    monkeypatch.setattr(module, "compile_blocks", compile_blocks)
+
+    def checked_loss(logits, y):
+        if (y < 0).any():   # a host read: bool() of a device tensor
+            raise ValueError("negative class")
+        return F.cross_entropy(logits, y)
+
+    step = cc.compile_step(model, checked_loss, opt, backend="comera", cuda_graphs="auto")
+    batches = _batches(6)
+    losses, ref_losses = [step(*batches[0])], [_eager_step(ref, ref_opt)(*batches[0])]
+    with pytest.warns(UserWarning, match=r"auto.*test_step_graph\.py:\d+: __bool__.*cuda_graphs='compiled' from now"):
+        losses.append(step(*batches[1]))
+    ref_losses.append(_eager_step(ref, ref_opt)(*batches[1]))
+    assert step.cuda_graphs == "compiled" and step.graph is None
+    more, ref_more = _train_both(step, _eager_step(ref, ref_opt), batches[2:])
+    torch.testing.assert_close(torch.cat([torch.stack(losses), more]), torch.cat([torch.stack(ref_losses), ref_more]),
+                               rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert sim.captured == 0 and compiled_with == [False, None]
