@@ -75,9 +75,14 @@ def evaluate(model: nn.Module, data: Data) -> dict[str, float]:
     return {"loss": loss_sum / count, "accuracy": correct / count, "masked_tokens": count}
 
 
+def _mlm_loss(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Mean cross-entropy over the masked positions (labels elsewhere are ignored, -100)."""
+    return F.cross_entropy(logits.reshape(-1, vocab_size), labels.reshape(-1))
+
+
 def _task_loss(model: nn.Module, inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor,
                vocab_size: int) -> torch.Tensor:
-    return F.cross_entropy(model(inputs, positions).reshape(-1, vocab_size), labels.reshape(-1))
+    return _mlm_loss(model(inputs, positions), labels, vocab_size)
 
 
 def _peak_step_bytes(model: nn.Module, batch: tuple[torch.Tensor, ...], vocab_size: int,
@@ -142,13 +147,35 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         backend = None if cfg.dense_backend == "eager" else cfg.dense_backend
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    if backend is not None:
-        for layer in model.layers:  # regional compilation: one compiled layer serves every layer
-            layer.compile(backend=backend, fullgraph=True)
-    execution = (f"torch.compile {backend!r}, per layer" if backend is not None else "eager") + world.describe()
     # forward and loss under bf16 autocast with --precision bf16; backward and the optimizer step outside it
     dtype = autocast_dtype(cfg.arithmetic())
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the task loss: RankAdaptive's penalty works by its proximal step, and ra.loss() would only add its value
+        return _mlm_loss(logits, labels, data.vocab_size)
+
+    def make_step() -> Callable[..., Any]:
+        """cc.compile_step: the encoder layers compiled one by one (one compiled layer serves them all) and,
+        on one GPU, the whole step replayed as one CUDA graph where it can be ("auto"); or an eager step."""
+        if backend is not None:
+            graphs = "auto" if device.type == "cuda" and world.size == 1 else None
+            # FSDP2's hooks around each layer are not traced: a graph break there, the layer compiled between
+            sharded = world.size > 1 and world.parallel == "fsdp"
+            return cc.compile_step(forward, loss_fn, opt, backend=backend, fullgraph=not sharded, autocast=dtype,
+                                   cuda_graphs=graphs)
+
+        def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with autocast():
+                loss = loss_fn(forward(inputs, positions), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return eager
+
+    step_fn = make_step()
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     if budget is not None:
@@ -191,19 +218,19 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             first_batch = (inputs, positions, labels)
         sync()
         t0 = time.perf_counter()
-        with autocast():
-            task = _task_loss(forward, inputs, positions, labels, data.vocab_size)
-        loss = ra.loss(task) if ra is not None else task
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        graph = getattr(step_fn, "graph", None)   # the whole-step CUDA graph, where the step is one
+        before = (graph.warmups, graph.captures) if graph is not None else None
+        task = step_fn(inputs, positions, labels)
         sched.step()
-        reallocated = ra.step() if ra is not None else False
+        reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
         if reallocated and forward is not model:
-            forward = wrap(model, world)  # DDP holds the replaced Parameters: a new wrapper
+            forward = wrap(model, world)  # DDP holds the replaced Parameters: a new wrapper and step
+            step_fn = make_step()
         sync()   # on CUDA the step's time is its device work's
-        dt, step_loss = agree(world, time.perf_counter() - t0, float(task.detach()))
+        dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt
+        if graph is not None:   # compiled, probed or captured rather than replayed
+            compiling = (graph.warmups, graph.captures) != before
         if compiling and backend is not None:
             compile_steps.append(step - 1)
         compiling = reallocated
@@ -231,6 +258,13 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     bar.close()
     if not evals or evals[-1]["step"] != step:
         record_eval(step)
+    if backend is None:
+        execution = "eager"
+    else:
+        execution = f"cc.compile_step, {backend!r} per layer"
+        if getattr(step_fn, "cuda_graphs", None) == "step":
+            execution += ", the whole step one CUDA graph"
+    execution += world.describe()
     if ra is not None:
         ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
     times = history["step_time_s"]

@@ -46,8 +46,8 @@ class Schedule:
         self.optimizer, self.warmup_steps, self.floor = optimizer, warmup_steps, floor
         self.budget_s, self.steps = budget_s, steps
         self.warmup_end: float | None = None
-        for g in optimizer.param_groups:
-            g.setdefault("peak_lr", g["lr"])
+        for g in optimizer.param_groups:   # a float: a tensor rate is filled in place at each step
+            g.setdefault("peak_lr", float(g["lr"]))
 
     def progress(self, step: int, elapsed: float) -> float:
         """The fraction of the budget used: of the time budget when the step starts, else of the steps once
@@ -64,7 +64,11 @@ class Schedule:
         f = lr_factor(step, p, self.warmup_steps, self.warmup_end if self.warmup_end is not None else 0.0,
                       self.floor)
         for g in self.optimizer.param_groups:
-            g["lr"] = g["peak_lr"] * f
+            lr = g["peak_lr"] * f
+            if isinstance(g["lr"], torch.Tensor):   # as torch's schedulers do: a captured step reads it there
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
         return f
 
 
@@ -203,11 +207,10 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     ra = None
-    task: dict[str, torch.Tensor] = {}
 
     def loss_fn(output: Any, ids: torch.Tensor) -> torch.Tensor:
-        task["loss"] = _loss_of_output(output, ids)
-        return ra.loss(task["loss"]) if ra is not None else task["loss"]
+        # the task loss: RankAdaptive's penalty works by its proximal step, and ra.loss() would only add its value
+        return _loss_of_output(output, ids)
 
     if method == "comera":
         opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.peak_lr("comera"), core_lr=cfg.comera_core_lr,
@@ -225,10 +228,12 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         opt.register_step_pre_hook(_clip_hook(cfg.clip))
     forward = wrap(model, world)
     autocast = autocast_dtype(cfg.arithmetic())
-    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
+    # on one GPU the whole step is one CUDA graph where it can be (GaLore's optimizer is not capturable)
+    graphs = "auto" if device.type == "cuda" and world.size == 1 and method != "galore" else None
+    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast, cuda_graphs=graphs)
     execution = {"dense": "AdamW; cc.compile_step, Inductor",
                  "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
-                 "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method] + world.describe()
+                 "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method]
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     warmup = cfg.warmup()
@@ -274,14 +279,18 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         lr = schedule.before(step, elapsed)
         sync()
         t0 = time.perf_counter()
-        step_fn(ids, ids)
-        reallocated = ra.step() if ra is not None else False
+        graph = step_fn.graph   # the whole-step CUDA graph, where the step is one
+        before = (graph.warmups, graph.captures) if graph is not None else None
+        task = step_fn(ids, ids)
+        reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
         if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
             forward = wrap(model, world)
             step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
         sync()
-        dt, step_loss = agree(world, time.perf_counter() - t0, float(task["loss"].detach()))
+        dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt
+        if graph is not None:   # compiled, probed or captured rather than replayed
+            compiling = (graph.warmups, graph.captures) != before
         if compiling:
             compile_steps.append(step)
         compiling = reallocated
@@ -310,6 +319,9 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         ranks_end = {k: list(v) for k, v in ra.ranks().items()}
         end_tt = ra.size()
         ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
+    if step_fn.cuda_graphs == "step":
+        execution += ", the whole step one CUDA graph"
+    execution += world.describe()
     times = history["step_time_s"]
     steady = [t for i, t in enumerate(times, 1) if i not in compile_steps] or times
     median = statistics.median(steady)

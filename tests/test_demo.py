@@ -267,6 +267,36 @@ def test_step_budget_runs_exactly_its_steps(tiny_data):
 
 
 
+def test_the_compiled_step_trains_the_same_with_the_whole_step_captured(tiny_data, monkeypatch):
+    """The demo's CoMERA step is cc.compile_step's; on one GPU it replays the whole step as one CUDA graph
+    ("auto").  Here the capture is simulated (helpers.SimulatedGraphs: a stale replay or a host read fails):
+    through RankAdaptive's late stage (a new capture), the losses are the per-layer compiled step's, step for
+    step; the steps that compiled, probed or captured count as compiling; the run says how it executed."""
+    import comera_compile as cc
+    from comera_compile import graphs
+    from comera_compile.rank_adaptive import rank_adaptive_of
+    from helpers import SimulatedGraphs
+
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=9, evals=1, cut_every=3, target_ratio=0.3)
+    _, tt = code_mlm.build_models(cfg, data.vocab_size)
+    plain = demo_train.train_one("comera", copy.deepcopy(tt), cfg, data, 10_000)
+    compile_step, sims = cc.compile_step, []
+
+    def whole_step(model, loss_fn, opt, **kwargs):
+        sims.append(SimulatedGraphs(model, opt, rank_adaptive_of(model)))
+        monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sims[-1])
+        return compile_step(model, loss_fn, opt, **{**kwargs, "cuda_graphs": "step"})
+
+    monkeypatch.setattr(cc, "compile_step", whole_step)
+    captured = demo_train.train_one("comera", tt, cfg, data, 10_000)
+    assert len(sims) == 1 and sims[0].captured == 2 and captured["stage"] == plain["stage"] == "late"
+    assert captured["execution"].endswith("the whole step one CUDA graph") and "one CUDA graph" not in plain["execution"]
+    torch.testing.assert_close(torch.tensor(captured["history"]["loss"]), torch.tensor(plain["history"]["loss"]),
+                               rtol=1e-5, atol=1e-6)
+    assert captured["compile_steps"][:3] == [1, 2, 3] and len(captured["compile_steps"]) == 3 * sims[0].captured
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypatch):
     """--precision bf16 runs the forward and loss under bf16 autocast (the first loss is eager autocast's on the
@@ -280,13 +310,13 @@ def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypa
         expected = float(torch.nn.functional.cross_entropy(
             dense(inputs, positions).float().reshape(-1, data.vocab_size), labels.reshape(-1)))
     seen: list[tuple[bool, torch.dtype]] = []
-    task_loss = demo_train._task_loss
+    mlm_loss = demo_train._mlm_loss
 
-    def recording(model, *args):
+    def recording(*args):
         seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")))
-        return task_loss(model, *args)
+        return mlm_loss(*args)
 
-    monkeypatch.setattr(demo_train, "_task_loss", recording)
+    monkeypatch.setattr(demo_train, "_mlm_loss", recording)
     r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense))
     steps = seen   # the two training steps, then the eager step that measures memory (_peak_step_bytes)
     assert len(steps) == 3 and all(on == (precision == "bf16") for on, _ in steps)

@@ -317,6 +317,41 @@ def test_comera_in_bf16_compiles_one_graph_for_a_12_layer_decoder(keep_threads, 
     assert r["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_the_step_trains_the_same_with_the_whole_step_captured(micro, keep_threads, monkeypatch, recwarn):
+    """On one GPU pretrain replays the whole step as one CUDA graph ("auto").  Simulated here
+    (helpers.SimulatedGraphs: a stale replay fails): the schedule fills the learning rates the captured step
+    reads in place, so one capture serves every rate of the warm-up and cosine; the losses and rates are the
+    per-layer compiled step's, step for step, and the three steps before the first replay count as compiling."""
+    import comera_compile as cc
+    from comera_compile import graphs
+    from comera_compile.rank_adaptive import rank_adaptive_of
+    from helpers import SimulatedGraphs
+
+    torch.set_num_threads(1)
+    data = torch.randint(0, 300, (16, 16), generator=torch.Generator().manual_seed(0))
+    cfg = lp.PretrainConfig(preset="micro", minutes=None, steps=7, batch=2, seq_len=16, evals=1, warmup_steps=3,
+                            rank=4, progress=False)
+    plain = lp.train_one("comera", lp._model_for("comera", cfg, 300, torch.device("cpu")), cfg, data[:12], data[12:],
+                         log=lambda _: None)
+    compile_step, sims = cc.compile_step, []
+
+    def whole_step(model, loss_fn, opt, **kwargs):
+        sims.append(SimulatedGraphs(model, opt, rank_adaptive_of(model)))
+        monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sims[-1])
+        return compile_step(model, loss_fn, opt, **{**kwargs, "cuda_graphs": "step"})
+
+    monkeypatch.setattr(cc, "compile_step", whole_step)
+    captured = lp.train_one("comera", lp._model_for("comera", cfg, 300, torch.device("cpu")), cfg, data[:12],
+                            data[12:], log=lambda _: None)
+    assert len(sims) == 1 and sims[0].captured == 1, "one capture for every learning rate"
+    assert not [w for w in recwarn.list if "cuda_graphs" in str(w.message)]
+    assert captured["execution"].endswith("the whole step one CUDA graph")
+    assert len(set(captured["history"]["lr"])) >= 5 and captured["history"]["lr"] == plain["history"]["lr"]
+    torch.testing.assert_close(torch.tensor(captured["history"]["loss"]), torch.tensor(plain["history"]["loss"]),
+                               rtol=1e-5, atol=1e-6)
+    assert captured["compile_steps"] == [1, 2, 3]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision, setting", [("fp32", "highest"), ("tf32", "high"), ("bf16", "high")])
 def test_cuda_matmuls_run_in_the_precision_asked_for(precision, setting, device):
