@@ -2,27 +2,23 @@
 at batch 1, 8 and 32 x 128 (32: the paper's MNLI batch), in float32 (TF32 matmuls on CUDA) and under
 bfloat16 autocast.  Variants, all in one process:
 
-- dense eager;
-- dense under torch.compile (Inductor; mode "reduce-overhead" on CUDA, i.e. CUDA Graphs: the fair dense
-  baseline on a GPU), through the same cc.compile_step as CoMERA (regional blocks, optimizer compiled);
+- dense eager; dense under torch.compile (Inductor; mode "reduce-overhead" on CUDA, i.e. CUDA Graphs: the
+  fair dense baseline on a GPU), through the same cc.compile_step as CoMERA;
 - on CUDA, dense with the whole step captured as one CUDA graph (cuda_graphs="step"), as CoMERA's best
   variant is: the ratio against it is what the TT layers gain when both sides launch one graph per step;
 - GaLore (dense + GaLore's AdamW, rank 128 projections of the encoder weights), eager;
-- CoMERA: tensorized, cc.compile_step with backend "comera": its default (each compiled block replayed by
-  Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step captured as one CUDA graph
-  (cuda_graphs="step"), CUDA Graphs off, and the default with every TT linear layer contracted in the
-  reference implementation's fixed order; on CUDA also the whole step compiled as one function with its
-  backward traced by compiled autograd (Inductor's graph trees over all of it:
-  common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
-  A variant whose first call fails is reported in the row ("<variant> error") and left out.
-
-First, each variant alone: its first call (compiles included; later variants find Inductor's caches
-warmer) and its peak device memory over its first three steps, which record the CUDA Graphs
-(step_peak_bytes).  Then step times, interleaved across the variants, medians after warm-up, from CUDA
-events (on the CPU: the host clock).  Last, each variant's cc.breakdown at that step time: launches, kernels,
-idle share, the matrix products' share of the busy time, and the FLOP rate against the matmul peak
-measured here in the row's precision.  ``comera-compile bench --device cuda`` runs this with the embedding
-and TT-linear benches; ``--device cpu`` runs the same code paths at reduced sizes (no memory figures)."""
+- CoMERA: tensorized, cc.compile_step with backend "comera": per-block graphs (cuda_graphs="compiled": each
+  compiled block replayed by Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step
+  one CUDA graph ("step"; again with Inductor's combo kernels, independent small kernels launched as one),
+  CUDA Graphs off, and per-block with every TT linear contracted in the reference implementation's fixed
+  order; on CUDA also the whole step compiled as one function with its backward traced by compiled autograd
+  (common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
+A variant whose first call fails is reported in the row ("<variant> error") and left out.  First, each
+variant alone: its first call (compiles included) and its peak device memory over its first three steps
+(step_peak_bytes).  Then step times, interleaved, medians after warm-up, from CUDA events (on the CPU: the
+host clock).  Last, each variant's cc.breakdown (launches, kernels, idle share, matmul share, FLOP rate
+against the matmul peak measured in the row's precision).  ``comera-compile bench --device cuda`` runs
+this with the embedding and TT-linear benches; ``--device cpu`` the same code at reduced sizes."""
 
 from __future__ import annotations
 
@@ -161,15 +157,17 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         m = tensorized()
         opt = adamw(m)
         out["CoMERA, compiled autograd"] = (m, opt, compiled_autograd_step(m, loss_fn, opt, dtype))
-    for name, backend, graphs in (("CoMERA", "comera", "compiled"),
-                                  ("CoMERA, whole-step graph", "comera", "step"),
-                                  ("CoMERA, CUDA Graphs off", "comera", "off"),
-                                  ("CoMERA, fixed order", _comera_fixed_order, "compiled")):
+    combo = {"inductor": {"combo_kernels": True}}   # Inductor's horizontal fusion of independent kernels
+    for name, backend, graphs, options in (("CoMERA", "comera", "compiled", None),
+                                           ("CoMERA, whole-step graph", "comera", "step", None),
+                                           ("CoMERA, whole-step graph, combo kernels", "comera", "step", combo),
+                                           ("CoMERA, CUDA Graphs off", "comera", "off", None),
+                                           ("CoMERA, fixed order", _comera_fixed_order, "compiled", None)):
         if graphs != "compiled" and not cuda:
             continue   # the same graphs as "CoMERA" where there are no CUDA Graphs
         m = tensorized()
         opt = adamw(m)
-        step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype)
+        step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype, options=options)
         out[name] = (m, opt, _in_fixed_order(step) if name.endswith("fixed order") else step)
     return out
 
@@ -226,6 +224,8 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
                                  "CoMERA, whole-step graph"),
                                 ("whole-step graph vs compiled autograd", "CoMERA, compiled autograd",
                                  "CoMERA, whole-step graph"),
+                                ("whole-step graph, combo kernels vs without", "CoMERA, whole-step graph",
+                                 "CoMERA, whole-step graph, combo kernels"),
                                 ("per-block graphs vs graphs off", "CoMERA, CUDA Graphs off", "CoMERA"),
                                 ("fixed order vs ours", "CoMERA, fixed order", "CoMERA")):
         if slower in ms and faster in ms:
