@@ -24,7 +24,14 @@ from comera_compile import graphs
 from comera_compile.optim import param_groups
 from helpers import SimulatedGraphs, StaleReplay
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = pytest.mark.usefixtures("single_thread", "fresh_dynamo")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each test's blocks compile afresh: the tests share one Block class, whose graphs would otherwise add
+    up to dynamo's recompile limit and leave later tests' blocks eager."""
+    torch._dynamo.reset()
 
 
 class Block(nn.Module):
