@@ -443,6 +443,27 @@ def test_auto_captures_a_12_layer_transformers_llama_whole_and_trains_as_eager(d
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
 
 
+@pytest.mark.parametrize("graphs", ["step", "auto"])
+def test_a_captured_step_draws_new_dropout_masks_at_every_replay(device, graphs):
+    """Dropout inside the whole-step graph (hash masks from words torch's CUDA generator draws in the step):
+    every replay draws new words, as every eager step does, so the same batch at a zero learning rate gives a
+    new loss each replay; without dropout the replays agree.  A mask frozen at the capture would train on one
+    sub-network, silently."""
+    needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 64)
+    losses = {}
+    for p in (0.5, 0.0):
+        torch.manual_seed(0)
+        model = cc.tensorize(_Net(dropout=p), rank=6, min_features=32).to(device)
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.0),
+                               cuda_graphs=graphs)
+        losses[p] = [float(step(x, target)) for _ in range(7)]
+        assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5)
+    replayed = losses[0.5][2:]   # the capturing call replays too
+    assert len(set(replayed)) == len(replayed), losses
+    assert max(losses[0.0]) - min(losses[0.0]) <= 1e-6 * abs(losses[0.0][0]), losses
+
+
 def test_whole_step_graph_is_one_launch_per_step(device):
     """cuda_graphs="step": one CUDA graph launch per step and no kernel launched on its own, the batch copied
     into the static inputs and the loss out (torch's profiler counts the CUDA runtime calls); "compiled"
