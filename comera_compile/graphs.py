@@ -232,13 +232,16 @@ class StepGraph:
     backward, optimizer step, zero_grad with set_to_none; returns the detached loss) replayed as one CUDA graph.
 
     ``warmup`` calls of each new input signature run the step as it is; the next is captured.  ``extra()``,
-    if given, returns more of what the step bakes in (RankAdaptive's stage): a change re-captures.  Counts:
+    if given, returns more of what the step bakes in (RankAdaptive's stage): a change re-captures.  Where
+    that changes at every call, so that nothing is ever captured, ``never_captured(why)`` is called once (by
+    default a warning that says so).  Counts:
     ``captures`` (graphs captured so far), ``replays``, ``warmups``.  The loss returned is the step's own
     tensor, not the graph's static output, so keeping it across steps is safe."""
 
     def __init__(self, step: Callable[..., torch.Tensor], model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  warmup: int = 2, graphs: GraphCapture | None = None,
-                 extra: Callable[[], tuple] | None = None) -> None:
+                 extra: Callable[[], tuple] | None = None,
+                 never_captured: Callable[[str], None] | None = None) -> None:
         if warmup < 1:
             raise ValueError(f"warmup must be at least 1 (the first call compiles), got {warmup}")
         if graphs is None:
@@ -252,6 +255,7 @@ class StepGraph:
         self._world: _World | None = None
         self.captures = self.replays = self.warmups = 0
         self._changes_in_a_row, self._warned = 0, False
+        self._never_captured = never_captured or self._warn_never_captured
 
     def _same_world(self) -> bool:
         w = self._world
@@ -322,13 +326,17 @@ class StepGraph:
         self._changes_in_a_row += 1
         if self._changes_in_a_row > self.warmup and not self._warned:
             self._warned = True
-            why = _what_changed(self._world, self.optimizer, self._world_extra())
-            warnings.warn(
-                f"cuda_graphs='step': what the captured step bakes in changed at each of the last "
-                f"{self._changes_in_a_row} calls, so no step is captured and each runs uncaptured (last "
-                f"change: {why}).  A setting changed every step must be a tensor the graph reads: learning "
-                f"rates become one where the optimizer takes it (capturable, or SGD with fused=True); "
-                f"otherwise change the setting less often, or use cuda_graphs='compiled'", stacklevel=3)
+            self._never_captured(f"what the captured step bakes in changed at each of the last "
+                                 f"{self._changes_in_a_row} calls (last change: "
+                                 f"{_what_changed(self._world, self.optimizer, self._world_extra())})")
+
+    @staticmethod
+    def _warn_never_captured(why: str) -> None:
+        warnings.warn(
+            f"cuda_graphs='step': {why}, so no step is captured and each runs uncaptured.  A setting changed "
+            f"every step must be a tensor the graph reads: learning rates become one where the optimizer takes "
+            f"it (capturable, or SGD with fused=True); otherwise change the setting less often, or use "
+            f"cuda_graphs='compiled'", stacklevel=4)
 
     def _capture(self, key: tuple, args: tuple) -> _Captured | None:
         """Capture the step for this input signature (the capture runs nothing); None where the capture changed

@@ -98,8 +98,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     ``warmup`` calls per input shape before the capture, a new capture after a rank re-allocation, a new
     input shape or a changed optimizer setting) and replays it, one launch per step; "auto" is "step" where
     the step can be captured and "compiled" otherwise, with a warning that says why: an optimizer without
-    ``capturable``, DDP or FSDP2, or a host read the last warm-up call found (the blocks then recompile
-    once with their own graphs); mode "reduce-overhead" or the backend options ``cudagraphs`` or ``profile``
+    ``capturable``, DDP or FSDP2, a host read the last warm-up call found, or a setting changed at every
+    call (the last two: the blocks recompile once with their own graphs); mode "reduce-overhead" or the
+    backend options ``cudagraphs`` or ``profile``
     choose "compiled" without one.  "off" launches every kernel.  On the CPU every mode but "step" (an error
     there) runs the same code.  ``step.cuda_graphs`` is the mode in effect (None on the CPU) and
     ``step.graph`` the StepGraph (its captures, replays and warm-ups) while that mode is "step".
@@ -168,28 +169,27 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
 
     inner: Callable[..., torch.Tensor] = run
     graph = None
+    never_captured: list[str] = []   # auto: why no call could be captured (a change at every call)
     if whole:
         from comera_compile.graphs import StepGraph
         from comera_compile.rank_adaptive import host_state, rank_adaptive_of
 
         ra = rank_adaptive if rank_adaptive is not None else rank_adaptive_of(model)
         graph = StepGraph(run, model, optimizer, warmup=warmup, graphs=capture,
-                          extra=(lambda: host_state(ra)) if ra is not None else None)
+                          extra=(lambda: host_state(ra)) if ra is not None else None,
+                          never_captured=never_captured.append if auto else None)
         inner = graph
 
-    def fall_back(e: HostReadError) -> torch.Tensor:
-        """cuda_graphs="auto" after the probe found a host read: say so, and go on as "compiled"."""
+    def fall_back(why: str, fix: str) -> None:
+        """cuda_graphs="auto" where the whole step cannot be one graph: say so, and go on as "compiled"."""
         nonlocal whole, fwd, inner
-        warnings.warn(f"compile_step(cuda_graphs='auto'): the step reads device values on the host "
-                      f"({len(e.reads)} read(s), the first at {e.reads[0]}), which one CUDA graph "
-                      f"cannot capture, so it runs with cuda_graphs='compiled' from now on (each compiled graph "
-                      f"replayed on its own; the blocks compile once more).  For the faster whole-step graph, "
-                      f"move that read out of the step; pass cuda_graphs='compiled' to choose this and silence "
+        warnings.warn(f"compile_step(cuda_graphs='auto'): {why}, so it runs with cuda_graphs='compiled' from now "
+                      f"on (each compiled graph replayed on its own; the blocks compile once more).  For the "
+                      f"faster whole-step graph, {fix}; pass cuda_graphs='compiled' to choose this and silence "
                       f"this warning", stacklevel=3)
         whole, inner = False, run
         fwd = compile_forward(compiled_kwargs)
         step.graph, step.cuda_graphs = None, "compiled"
-        return e.loss   # the probing call ran, uncaptured: its step is done
 
     def step(*args: Any) -> torch.Tensor:
         try:
@@ -197,7 +197,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         except HostReadError as e:
             if not (auto and whole):
                 raise
-            loss = fall_back(e)
+            fall_back(f"the step reads device values on the host ({len(e.reads)} read(s), the first at "
+                      f"{e.reads[0]}), which one CUDA graph cannot capture", "move that read out of the step")
+            loss = e.loss   # the probing call ran, uncaptured: its step is done
+        if never_captured and whole:
+            fall_back(f"no call could be captured: {never_captured[0]}",
+                      "make a setting changed every step a tensor the graph reads (learning rates: capturable, "
+                      "or SGD with fused=True), or change it less often")
         if rank_adaptive is not None:   # eager, after every compiled part of the step has run
             rank_adaptive.step(loss)
         return loss

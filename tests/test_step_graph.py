@@ -427,3 +427,25 @@ def test_auto_falls_back_to_per_graph_replays_where_the_probe_finds_a_host_read(
                                rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     assert sim.captured == 0 and compiled_with == [False, None]
+
+
+def test_auto_falls_back_to_per_graph_replays_where_a_setting_changes_at_every_step(monkeypatch):
+    """cuda_graphs="auto" with SGD whose rate stays a float (foreach) under a per-step schedule: no call could
+    ever be captured, so rather than run every step uncaptured it goes on as "compiled", once, with a warning
+    naming the setting; the steps are the eager loop's throughout."""
+    batches = _batches(8)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: 0.9**i)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    sim = _simulated_cuda(monkeypatch, model, opt)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", cuda_graphs="auto")
+    with pytest.warns(UserWarning, match=r"auto.*no call could be captured.*param group 0's 'lr' changed.*"
+                                         r"cuda_graphs='compiled' from now on") as caught:
+        losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches, (sched, ref_sched))
+    assert sum("cuda_graphs=" in str(w.message) for w in caught) == 1, [str(w.message) for w in caught]
+    assert step.cuda_graphs == "compiled" and sim.captured == 0
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
