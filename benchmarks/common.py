@@ -14,7 +14,7 @@ from comera_compile import networks
 from comera_compile.tt import TTSpec, gemm_spec
 
 __all__ = ["Measurement", "compare", "format_flat_rows", "eager_step", "compiled_autograd_step",
-           "fixed_order_plan"]
+           "fixed_order_plan", "table_shape"]
 
 
 @dataclass
@@ -102,3 +102,11 @@ def fixed_order_plan(spec: TTSpec, rows: int, input_requires_grad: bool = True) 
     padded = gemm_spec(spec)
     net = networks.tt_linear_network(padded, int(rows), input_requires_grad)
     return networks.plan_from_tree(net, networks.reference_tree(padded))
+
+
+def table_shape(quick: bool, cuda: bool) -> tuple[tuple[int, ...], int, int]:
+    """The device step table's batches, sequence length and layers: on CUDA batches 1, 8, 32 x 128 and 6
+    layers (quick: 1 and 8, 2 layers); on the CPU batches 1 and 2 x 32, 1 layer (the code paths only)."""
+    if cuda:
+        return ((1, 8) if quick else (1, 8, 32)), 128, 2 if quick else 6
+    return (1, 2), 32, 1

@@ -34,7 +34,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.examples import six_encoder
 
-from .common import compiled_autograd_step, eager_step
+from .common import compiled_autograd_step, eager_step, table_shape
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
 __all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS",
@@ -304,15 +304,12 @@ def resolve_device(name: str | torch.device) -> torch.device:
 def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple[int, ...] | None = None,
         seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("fp32", "bf16"),
         on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """A row per (precision, batch), each handed to `on_row` as soon as it is measured.  Defaults: on CUDA
-    batches 1, 8, 32 x 128 and 6 layers (quick: 1 and 8, 2 layers); on the CPU batches 1 and 2 x 32, 1 layer
-    (the code paths, not the paper's sizes)."""
+    """A row per (precision, batch), each handed to `on_row` as soon as it is measured; sizes not given are
+    common.table_shape's."""
     device = resolve_device(device)
     cuda = device.type == "cuda"
-    if batches is None:
-        batches = ((1, 8) if quick else (1, 8, 32)) if cuda else (1, 2)
-    seq = seq if seq is not None else (128 if cuda else 32)
-    layers = layers if layers is not None else ((2 if quick else 6) if cuda else 1)
+    shape = table_shape(quick, cuda)
+    batches, seq, layers = batches or shape[0], seq or shape[1], layers or shape[2]
     # GaLore at batch 1 only: its own claim (2x slower, 9x more memory than CoMERA) is at batch 1; the whole
     # model compiled with compiled autograd (a long compile) at the smallest batch only
     rows = []

@@ -5,13 +5,22 @@ Such machines often have no network: nothing here installs or downloads anything
 (galore-torch) is optional: without it the benchmark leaves GaLore out and says so.
 ``--device cpu`` runs the same tests and benchmarks on the CPU (their CPU code paths, reduced sizes).
 
-    python -m comera_compile.benchmarks.gpu_check [--device cuda|cpu] [--out DIR] [--quick]
+Each row of the device step table (a precision and batch) runs in a process of its own, so a row that breaks
+its process's CUDA state (a failed graph capture does) cannot take the rows after it down; every part is
+kept under ``--out`` as it finishes.  Lent GPUs come with time limits: ``--budget SECONDS`` starts no row
+that would not fit, and ``--resume`` (the same command again) keeps what an earlier run finished and runs
+only the rest, so a check cut in parts still ends in one report.  The exit status is 0 only when the tests
+passed and every row was measured.
+
+    python -m comera_compile.benchmarks.gpu_check [--device cuda|cpu] [--out DIR] [--quick] [--budget S]
+                                                  [--resume]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib.util
 import json
 import platform
 import subprocess
@@ -23,9 +32,62 @@ from typing import Any
 
 import torch
 
-__all__ = ["run_tests", "machine", "report_markdown", "main"]
+__all__ = ["run_tests", "device_rows", "machine", "report_markdown", "main"]
 
 TEST_FILE_TIMEOUT_S = 1800
+FIRST_ROW_S = 120.0   # what a device row is assumed to take before one has been timed
+
+
+def device_rows(device: str, out: Path, quick: bool, deadline: float) -> dict[str, Any]:
+    """The device step table, each (precision, batch) row measured by a child process into out/rows/ (a row
+    already there is kept); a row is started only if the time to `deadline` (time.monotonic()) is at least
+    the longest row so far.  Returns {"rows": [...], "missing": ["fp32 b32", ...]}."""
+    from .common import table_shape
+    from .device_step import PRECISIONS
+
+    batches = table_shape(quick, device == "cuda")[0]
+    (out / "rows").mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    missing: list[str] = []
+    longest = FIRST_ROW_S
+    for precision in PRECISIONS:
+        for batch in batches:
+            path = out / "rows" / f"{precision}_b{batch}.json"
+            left = deadline - time.monotonic()
+            if not path.exists() and left >= longest:
+                print(f"device_step {precision} b{batch} ...", flush=True)
+                cmd = [sys.executable, "-m", "comera_compile.benchmarks.gpu_check", "--device", device, "--out",
+                       str(out), "--row", precision, str(batch), *(["--quick"] if quick else [])]
+                t0 = time.monotonic()
+                try:
+                    done = subprocess.run(cmd, capture_output=True, text=True,
+                                          timeout=max(1.0, left) if left < float("inf") else None)
+                    why = f"exit {done.returncode}: {done.stderr[-1500:]}"
+                except subprocess.TimeoutExpired:
+                    why = f"cut at the budget after {left:.0f} s"
+                longest = max(longest, time.monotonic() - t0)
+                if not path.exists():
+                    rows.append({"benchmark": f"device_step {precision} b{batch}", "error": why})
+                    continue
+            if path.exists():
+                rows.append(json.loads(path.read_text()))
+            else:
+                missing.append(f"{precision} b{batch}")
+    return {"rows": rows, "missing": missing}
+
+
+def _measure_row(device: str, out: Path, quick: bool, precision: str, batch: int) -> int:
+    """One row of the device step table, written to out/rows/ (the child process of device_rows)."""
+    from .common import table_shape
+    from .device_step import format_rows, step_row
+
+    batches, seq, layers = table_shape(quick, device == "cuda")
+    smallest = batch == min(batches)   # GaLore and the compiled-autograd step: the smallest batch only
+    row = step_row(batch, seq, layers, torch.device(device), precision, quick or device != "cuda",
+                   galore=smallest, whole_compile=smallest)
+    print(format_rows([row]), flush=True)
+    (out / "rows" / f"{precision}_b{batch}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
+    return 0
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -48,8 +110,9 @@ def machine(device: str) -> dict[str, Any]:
     return info
 
 
-def run_tests(device: str, out: Path) -> dict[str, Any]:
-    """``pytest -m cuda --device DEVICE`` in a child process; counts and failures from its JUnit XML."""
+def run_tests(device: str, out: Path, workers: int = 1) -> dict[str, Any]:
+    """``pytest -m cuda --device DEVICE`` in a child process (over `workers` processes where pytest-xdist is
+    installed); counts and failures from its JUnit XML."""
     xml = out / "tests.xml"
     root = Path(__file__).resolve().parents[1]
     tests = root / "tests"
@@ -57,6 +120,8 @@ def run_tests(device: str, out: Path) -> dict[str, Any]:
         return {"error": f"no tests/ beside {root}; run from the source tree (make gpu-check)"}
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "--device", device, "-q", "-p", "no:cacheprovider",
            f"--junitxml={xml}", str(tests)]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd[3:3] = ["-n", str(workers)]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=TEST_FILE_TIMEOUT_S)
     result: dict[str, Any] = {"command": " ".join(["python", *cmd[1:]]), "returncode": done.returncode,
@@ -99,12 +164,17 @@ def report_markdown(report: dict[str, Any]) -> str:
             if c["status"] != "passed":
                 lines.append(f"- {c['status']}: `{c['test']}` {c['message']}")
         lines.append("")
+    if report.get("missing"):
+        lines += [f"**Incomplete:** {report['missing']}.", ""]
     for name, block in report["bench"].items():
         lines += [f"## {name}", ""]
         if "error" in block:
             lines += [f"failed: {block['error']}", ""]
             continue
         for row in block["rows"]:
+            if "error" in row:   # a row whose process failed
+                lines += [f"### {row['benchmark']}", "", f"failed: {row['error']}", ""]
+                continue
             variants = [k[:-3] for k in row if k.endswith(" ms")]
             if "precision" in row:   # the device step: one table per batch and precision
                 from .device_step import RATIO_KEYS, breakdown_cells
@@ -148,36 +218,73 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller benchmark sizes and fewer repeats")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--skip-bench", action="store_true")
+    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                   help="start no device row that would end past this many seconds from the start")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the tests and benchmarks an earlier run left under --out; run only the rest")
+    p.add_argument("--workers", type=int, default=4 if torch.cuda.is_available() else 1,
+                   help="pytest-xdist processes for the tests, where it is installed (default 4 on a GPU)")
+    p.add_argument("--row", nargs=2, metavar=("PRECISION", "BATCH"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu-check: torch {torch.__version__} sees no CUDA device; --device cpu runs the same code paths "
               f"on the CPU", file=sys.stderr)
         return 2
+    if args.row:
+        return _measure_row(args.device, args.out, args.quick, args.row[0], int(args.row[1]))
+    deadline = time.monotonic() + (args.budget if args.budget is not None else float("inf"))
     args.out.mkdir(parents=True, exist_ok=True)
+    if not args.resume:   # a fresh check measures everything anew
+        for old in [args.out / "tests.json", *args.out.glob("bench_*.json"), *args.out.glob("rows/*.json")]:
+            old.unlink(missing_ok=True)
     from .suite import run_suite
 
     report: dict[str, Any] = {"command": " ".join(["python -m comera_compile.benchmarks.gpu_check", *(argv or sys.argv[1:])]),
                               "date": _dt.datetime.now().isoformat(timespec="seconds"),
                               "machine": machine(args.device), "bench": {}}
-    report["tests"] = {"error": "skipped (--skip-tests)"} if args.skip_tests else run_tests(args.device, args.out)
+    kept = args.out / "tests.json"
+    if args.skip_tests:
+        report["tests"] = {"error": "skipped (--skip-tests)"}
+    elif kept.exists():
+        report["tests"] = json.loads(kept.read_text())
+    else:
+        report["tests"] = run_tests(args.device, args.out, args.workers)
+        kept.write_text(json.dumps(report["tests"], indent=1) + "\n")
     if "error" not in report["tests"]:
         t = report["tests"]
         print(f"tests: {t.get('passed', 0)} passed, {t.get('failed', 0) + t.get('errors', 0)} failed, "
               f"{t.get('skipped', 0)} skipped", flush=True)
+    missing: list[str] = []
     if not args.skip_bench:
         from .suite import DEVICE_SUITE
 
         for name in DEVICE_SUITE:   # one at a time: a failure leaves the others' figures
-            try:
-                report["bench"].update(run_suite(quick=args.quick, only=[name], device=args.device)["results"])
-            except Exception as e:  # reported, not raised: the rest of the check still runs
-                report["bench"][name] = {"error": f"{type(e).__name__}: {e}"}
-                print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if name == "device_step":
+                report["bench"][name] = device_rows(args.device, args.out, args.quick, deadline)
+                missing = report["bench"][name]["missing"]
+                continue
+            path = args.out / f"bench_{name}.json"
+            if not path.exists():
+                try:
+                    path.write_text(json.dumps(run_suite(quick=args.quick, only=[name], device=args.device)
+                                               ["results"][name], indent=1, default=str) + "\n")
+                except Exception as e:  # reported, not raised: the rest of the check still runs
+                    report["bench"][name] = {"error": f"{type(e).__name__}: {e}"}
+                    print(f"{name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    continue
+            report["bench"][name] = json.loads(path.read_text())
+    if missing:
+        report["missing"] = (f"not measured within --budget: {', '.join(missing)}; run the same command with "
+                             f"--resume (make gpu-check GPU_ARGS=--resume) to measure only those")
+        print(report["missing"], flush=True)
     (args.out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (args.out / "report.md").write_text(report_markdown(report) + "\n")
     print(f"wrote {args.out / 'report.md'} and {args.out / 'report.json'}")
     t = report["tests"]
-    return 0 if "error" in t or (t["returncode"] == 0) else 1
+    failed_rows = any("error" in r for r in report["bench"].get("device_step", {}).get("rows", []))
+    if failed_rows or not ("error" in t or t["returncode"] == 0):
+        return 1
+    return 3 if missing else 0
 
 
 if __name__ == "__main__":

@@ -384,3 +384,31 @@ def test_compiled_autograd_step_trains_as_eager_adamw():
     assert got == pytest.approx(ref, rel=1e-4)
     for p, q in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_gpu_check_keeps_finished_parts_and_says_what_a_budget_left_out(tmp_path, capsys):
+    """make gpu-check in parts, as a lent GPU's time limit needs: --resume keeps the tests and rows an earlier
+    run left under --out and measures nothing twice; a --budget too small for another row starts none, and
+    the report and the exit status (3) say which rows are missing and how to finish them."""
+    from comera_compile.benchmarks import gpu_check
+
+    (tmp_path / "rows").mkdir()
+    earlier = {"benchmark": "six_encoder_step_b1x32_l1 fp32", "precision": "fp32", "device": "cpu",
+               "CoMERA ms": 2.0, "CoMERA first s": 1.0, "dense compiled ms": 3.0, "dense compiled first s": 1.0,
+               "CoMERA vs dense compiled": 1.5, "best CoMERA": "CoMERA"}
+    (tmp_path / "rows" / "fp32_b1.json").write_text(json.dumps(earlier))
+    for name in ("tt_linear", "embeddings"):
+        (tmp_path / f"bench_{name}.json").write_text(json.dumps({"rows": [{"benchmark": name, "ms": 1.0}]}))
+    tests = {"command": "pytest -m cuda", "returncode": 0, "seconds": 1.0, "passed": 3, "failed": 0, "errors": 0,
+             "skipped": 0, "cases": []}
+    (tmp_path / "tests.json").write_text(json.dumps(tests))
+    args = ["--device", "cpu", "--quick", "--out", str(tmp_path), "--budget", "0"]
+    assert gpu_check.main([*args, "--resume"]) == 3
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["tests"] == tests and report["bench"]["device_step"]["rows"] == [earlier]
+    assert report["bench"]["device_step"]["missing"] == ["fp32 b2", "bf16 b1", "bf16 b2"]
+    md = (tmp_path / "report.md").read_text()
+    assert "Incomplete" in md and "fp32 b2, bf16 b1, bf16 b2" in md and "--resume" in md
+    assert "CoMERA vs dense compiled **1.50x**" in md
+    assert gpu_check.main([*args, "--skip-tests", "--skip-bench"]) == 0   # without --resume nothing is kept
+    assert not (tmp_path / "rows" / "fp32_b1.json").exists() and not (tmp_path / "tests.json").exists()
