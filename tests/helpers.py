@@ -210,3 +210,21 @@ def second_compile_from_aot_cache(compiled: Callable[[], Callable], step: Callab
     assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
     assert not counters["aot_autograd"]["autograd_cache_bypass"]
     return result
+
+
+def capture_every_compiled_step(monkeypatch) -> list[SimulatedGraphs]:
+    """Make every ``cc.compile_step`` built from now on capture its whole step (cuda_graphs="step"), with a
+    SimulatedGraphs of its own, as on one GPU; returns the simulations, one per step built."""
+    import comera_compile as cc
+    from comera_compile import graphs
+    from comera_compile.rank_adaptive import rank_adaptive_of
+
+    compile_step, sims = cc.compile_step, []
+
+    def whole_step(model, loss_fn, opt, **kwargs):
+        sims.append(SimulatedGraphs(model, opt, rank_adaptive_of(model)))
+        monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sims[-1])
+        return compile_step(model, loss_fn, opt, **{**kwargs, "cuda_graphs": "step"})
+
+    monkeypatch.setattr(cc, "compile_step", whole_step)
+    return sims

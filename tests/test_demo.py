@@ -272,23 +272,13 @@ def test_the_compiled_step_trains_the_same_with_the_whole_step_captured(tiny_dat
     ("auto").  Here the capture is simulated (helpers.SimulatedGraphs: a stale replay or a host read fails):
     through RankAdaptive's late stage (a new capture), the losses are the per-layer compiled step's, step for
     step; the steps that compiled, probed or captured count as compiling; the run says how it executed."""
-    import comera_compile as cc
-    from comera_compile import graphs
-    from comera_compile.rank_adaptive import rank_adaptive_of
-    from helpers import SimulatedGraphs
+    from helpers import capture_every_compiled_step
 
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=None, steps=9, evals=1, cut_every=3, target_ratio=0.3)
     _, tt = code_mlm.build_models(cfg, data.vocab_size)
     plain = demo_train.train_one("comera", copy.deepcopy(tt), cfg, data, 10_000)
-    compile_step, sims = cc.compile_step, []
-
-    def whole_step(model, loss_fn, opt, **kwargs):
-        sims.append(SimulatedGraphs(model, opt, rank_adaptive_of(model)))
-        monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sims[-1])
-        return compile_step(model, loss_fn, opt, **{**kwargs, "cuda_graphs": "step"})
-
-    monkeypatch.setattr(cc, "compile_step", whole_step)
+    sims = capture_every_compiled_step(monkeypatch)
     captured = demo_train.train_one("comera", tt, cfg, data, 10_000)
     assert len(sims) == 1 and sims[0].captured == 2 and captured["stage"] == plain["stage"] == "late"
     assert captured["execution"].endswith("the whole step one CUDA graph") and "one CUDA graph" not in plain["execution"]

@@ -322,10 +322,7 @@ def test_the_step_trains_the_same_with_the_whole_step_captured(micro, keep_threa
     (helpers.SimulatedGraphs: a stale replay fails): the schedule fills the learning rates the captured step
     reads in place, so one capture serves every rate of the warm-up and cosine; the losses and rates are the
     per-layer compiled step's, step for step, and the three steps before the first replay count as compiling."""
-    import comera_compile as cc
-    from comera_compile import graphs
-    from comera_compile.rank_adaptive import rank_adaptive_of
-    from helpers import SimulatedGraphs
+    from helpers import capture_every_compiled_step
 
     torch.set_num_threads(1)
     data = torch.randint(0, 300, (16, 16), generator=torch.Generator().manual_seed(0))
@@ -333,14 +330,7 @@ def test_the_step_trains_the_same_with_the_whole_step_captured(micro, keep_threa
                             rank=4, progress=False)
     plain = lp.train_one("comera", lp._model_for("comera", cfg, 300, torch.device("cpu")), cfg, data[:12], data[12:],
                          log=lambda _: None)
-    compile_step, sims = cc.compile_step, []
-
-    def whole_step(model, loss_fn, opt, **kwargs):
-        sims.append(SimulatedGraphs(model, opt, rank_adaptive_of(model)))
-        monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sims[-1])
-        return compile_step(model, loss_fn, opt, **{**kwargs, "cuda_graphs": "step"})
-
-    monkeypatch.setattr(cc, "compile_step", whole_step)
+    sims = capture_every_compiled_step(monkeypatch)
     captured = lp.train_one("comera", lp._model_for("comera", cfg, 300, torch.device("cpu")), cfg, data[:12],
                             data[12:], log=lambda _: None)
     assert len(sims) == 1 and sims[0].captured == 1, "one capture for every learning rate"

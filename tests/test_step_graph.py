@@ -211,6 +211,17 @@ def test_changed_settings_state_and_mode_capture_anew(monkeypatch):
     assert step.graph.captures == 4
 
 
+def _sgd_under_a_schedule(foreach: bool | None):
+    """Batches, then (model, SGD with momentum, a per-step LambdaLR) twice: the reference (SGD at its default
+    implementation) and the one to step (foreach as given: True keeps its rate a float)."""
+    def built(foreach=None):
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+
+    return _batches(8), built(), built(foreach)
+
+
 @pytest.mark.parametrize("foreach", [True, None], ids=["sgd-foreach-float-lr", "sgd-default"])
 def test_a_setting_changed_every_step_is_said_not_left_uncaptured(monkeypatch, foreach):
     """SGD whose rate stays a float (foreach) under a per-step schedule: the rate a graph would bake in
@@ -219,13 +230,7 @@ def test_a_setting_changed_every_step_is_said_not_left_uncaptured(monkeypatch, f
     no warning."""
     import warnings
 
-    batches = _batches(8)
-    ref = _net()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: 0.9**i)
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=foreach)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    batches, (ref, ref_opt, ref_sched), (model, opt, sched) = _sgd_under_a_schedule(foreach)
     step, _ = _captured_step(monkeypatch, model, opt)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -433,13 +438,7 @@ def test_auto_falls_back_to_per_graph_replays_where_a_setting_changes_at_every_s
     """cuda_graphs="auto" with SGD whose rate stays a float (foreach) under a per-step schedule: no call could
     ever be captured, so rather than run every step uncaptured it goes on as "compiled", once, with a warning
     naming the setting; the steps are the eager loop's throughout."""
-    batches = _batches(8)
-    ref = _net()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda i: 0.9**i)
-    model = _net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.9**i)
+    batches, (ref, ref_opt, ref_sched), (model, opt, sched) = _sgd_under_a_schedule(True)
     sim = _simulated_cuda(monkeypatch, model, opt)
     step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", cuda_graphs="auto")
     with pytest.warns(UserWarning, match=r"auto.*no call could be captured.*param group 0's 'lr' changed.*"
