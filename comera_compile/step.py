@@ -100,10 +100,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     the step can be captured and "compiled" otherwise, with a warning that says why: an optimizer without
     ``capturable``, DDP or FSDP2, a host read the last warm-up call found, or a setting changed at every
     call (the last two: the blocks recompile once with their own graphs); mode "reduce-overhead" or the
-    backend options ``cudagraphs`` or ``profile``
-    choose "compiled" without one.  "off" launches every kernel.  On the CPU every mode but "step" (an error
-    there) runs the same code.  ``step.cuda_graphs`` is the mode in effect (None on the CPU) and
-    ``step.graph`` the StepGraph (its captures, replays and warm-ups) while that mode is "step".
+    backend options ``cudagraphs`` or ``profile`` choose "compiled" without one.  "off" launches every
+    kernel.  On the CPU every mode but "step" (an error there) runs the same code.  ``step.cuda_graphs`` is
+    the mode in effect (None on the CPU) and ``step.graph`` the StepGraph (its captures, replays and
+    warm-ups) while that mode is "step".
 
     mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
     records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
@@ -126,7 +126,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs)
-    auto = cuda_graphs == "auto" and chosen == "step"   # a host read found before the capture: "compiled"
+    auto = cuda_graphs == "auto" and chosen == "step"   # may still fall back to "compiled" (fall_back)
     whole = chosen == "step"
     compiled_kwargs = kwargs
     if whole or (chosen == "off" and on_cuda):
