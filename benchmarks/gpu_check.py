@@ -62,12 +62,12 @@ def device_rows(device: str, out: Path, quick: bool, deadline: float) -> dict[st
                 try:
                     done = subprocess.run(cmd, capture_output=True, text=True,
                                           timeout=max(1.0, left) if left < float("inf") else None)
-                    why = f"exit {done.returncode}: {done.stderr[-1500:]}"
-                except subprocess.TimeoutExpired:
-                    why = f"cut at the budget after {left:.0f} s"
+                except subprocess.TimeoutExpired:   # cut at the budget: missing, for --resume, not failed
+                    done = None
                 longest = max(longest, time.monotonic() - t0)
-                if not path.exists():
-                    rows.append({"benchmark": f"device_step {precision} b{batch}", "error": why})
+                if done is not None and not path.exists():
+                    rows.append({"benchmark": f"device_step {precision} b{batch}",
+                                 "error": f"exit {done.returncode}: {done.stderr[-1500:]}"})
                     continue
             if path.exists():
                 rows.append(json.loads(path.read_text()))

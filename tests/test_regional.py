@@ -5,6 +5,7 @@ re-allocation recompiling once, and never a silent fallback to eager."""
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import socket
 import warnings
@@ -364,10 +365,10 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
 
 
 def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypatch, fresh_dynamo):
-    """compile_step(cuda_graphs="step") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
-    param_groups, RankAdaptive at its defaults), the capture simulated on the CPU (helpers.SimulatedGraphs:
-    a stale replay or a host read fails): two warm-ups, one capture, and the losses and parameters of the
-    eager loop, step for step.  While a CUDA graph is captured, transformers builds an explicit mask instead
+    """compile_step(cuda_graphs="auto") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
+    param_groups, RankAdaptive at its defaults), as on one GPU, the capture simulated on the CPU
+    (helpers.SimulatedGraphs: a stale replay or a host read fails): the whole step is chosen and kept (no
+    fallback), two warm-ups, one capture, and the losses and parameters of the eager loop, step for step.  While a CUDA graph is captured, transformers builds an explicit mask instead
     of reading one on the host; the probing warm-up takes that path as the capture will, so the layers
     compile for it there (a few graphs for all twelve, none per layer) and nothing compiles in the capture."""
     from comera_compile import graphs
@@ -380,14 +381,19 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
 
     model, opt, ra = build()
     monkeypatch.setattr(graphs, "CudaGraphs", lambda device: SimulatedGraphs(model, opt, ra))
-    step = cc.compile_step(model, _loss, opt, cuda_graphs="step", rank_adaptive=ra)
+    monkeypatch.setattr(importlib.import_module("comera_compile.step"), "_on_cuda", lambda model: True)
+    step = cc.compile_step(model, _loss, opt, cuda_graphs="auto", rank_adaptive=ra)
     ref, ref_opt, ref_ra = build()
-    for i in range(6):
-        x, y = _batch(i)
-        got = step(x, y)
-        torch.testing.assert_close(got, _eager_step(ref, ref_opt, x, y, ref_ra), rtol=1e-4, atol=1e-5)
-        if i == 1:
-            warmed = _graphs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(6):
+            x, y = _batch(i)
+            got = step(x, y)
+            torch.testing.assert_close(got, _eager_step(ref, ref_opt, x, y, ref_ra), rtol=1e-4, atol=1e-5)
+            if i == 1:
+                warmed = _graphs()
+    assert not [str(w.message) for w in caught if "cuda_graphs=" in str(w.message)]
+    assert step.cuda_graphs == "step"
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
     assert warmed <= 3 and _graphs() == warmed and eager_blocks(model) == {}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
