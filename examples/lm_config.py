@@ -101,6 +101,7 @@ class PretrainConfig:
     precision: str | None = None   # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
     threads: int | None = None     # intra-op CPU threads (None: torch's default, every core)
     progress: bool = True
+    resume: bool = False           # keep the finished methods' runs saved in `out`, train the others
 
     def shape(self) -> LlamaShape:
         if self.preset not in SHAPES:
@@ -127,6 +128,8 @@ class PretrainConfig:
         checks = [
             (not bad and len(self.methods) > 0,
              f"--methods takes a comma-separated subset of {','.join(METHODS)}, got {','.join(self.methods)!r}"),
+            (not self.resume or self.out is not None,
+             "--resume needs --out DIR, the folder of the run to go on with"),
             (self.minutes is not None or self.steps is not None,
              "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),

@@ -371,12 +371,33 @@ def test_reach_time_interpolates_between_evaluations():
 
 
 # -- end to end --------------------------------------------------------------------------------------------
-def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_threads, capsys):
-    """dense, CoMERA and GaLore at the micro size, a few steps each: the files and every figure in them."""
+def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_threads, monkeypatch, capsys):
+    """dense, CoMERA and GaLore at the micro size, a few steps each: the files and every figure in them.  The
+    run is stopped in GaLore first: the finished methods' runs are kept, and --resume trains GaLore alone
+    (evaluated at dense's kept token count).  A saved run trained with other options is refused, naming them."""
     pytest.importorskip("galore_torch")
     out = tmp_path / "run"
-    assert main(["pretrain", "--preset", "micro", "--out", str(out), *MICRO_ARGS]) == 0
+    args = ["pretrain", "--preset", "micro", "--out", str(out), *MICRO_ARGS]
+    real, trained, stop_in = lp.train_one, [], {"galore"}
+
+    def train_one(method, *a, eval_tokens=(), **k):
+        trained.append((method, eval_tokens))
+        if method in stop_in:
+            raise RuntimeError("out of time")
+        return real(method, *a, eval_tokens=eval_tokens, **k)
+
+    monkeypatch.setattr(lp, "train_one", train_one)
+    with pytest.raises(RuntimeError, match="out of time"):
+        main(args)
+    assert f"stopped: dense, comera finished and kept in {out / 'runs'}" in capsys.readouterr().out
+    assert not (out / "runs" / "galore.json").exists() and not (out / "results.json").exists()
+    kept = {m: json.loads((out / "runs" / f"{m}.json").read_text())["run"] for m in ("dense", "comera")}
+    trained.clear()
+    stop_in.clear()
+    assert main([*args, "--resume"]) == 0
+    assert trained == [("galore", (kept["dense"]["tokens"],))]
     printed = capsys.readouterr().out
+    assert "resume: dense, comera kept from" in printed
     table = (out / "table.md").read_text()
     assert table.strip() in printed
     assert (out / "curves.png").stat().st_size > 10_000
@@ -407,6 +428,13 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
     assert d["passes"] == pytest.approx(4 / (result["data"]["train_blocks"] // 2)) and d["passes"] < 1
     assert "passes over the training text" in table and "Batches repeated" not in table
     assert "in fp32;" in table and all(r["precision"] == "fp32" for r in result["runs"].values())
+    assert d == kept["dense"] and c == kept["comera"] and (out / "runs" / "galore.json").is_file()
+    trained.clear()
+    with pytest.raises(SystemExit, match=r"dense's run in .* was trained differently \(batch 2 there, 4 here\)"):
+        main([*args, "--resume", "--batch", "4"])
+    assert trained == []
+    with pytest.raises(SystemExit, match="--resume needs --out"):
+        main(["pretrain", "--preset", "micro", "--resume", *MICRO_ARGS])
 
 
 @pytest.mark.slow

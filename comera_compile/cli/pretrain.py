@@ -21,6 +21,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         given["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     if args.no_clip:
         given["clip"] = None
+    if args.resume:
+        given["resume"] = True
     return train("pretrain", lm_pretrain, args, argv, given)
 
 
@@ -34,7 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "scratch three ways from one seed and batch order -- dense (Inductor), CoMERA (tensorize + "
                     "RankAdaptive + backend 'comera') and GaLore (GaLoreAdamW) -- each on the same budget, with "
                     "validation perplexity at equal time and equal tokens; writes table.md, curves.png and "
-                    "results.json to runs/pretrain-<timestamp>/.")
+                    "results.json to runs/pretrain-<timestamp>/ (each method's run to runs/<method>.json there "
+                    "as it finishes: --resume goes on from a stopped run).")
     p.add_argument("--preset", choices=list(PRESETS), default="tiny",
                    help="model shape and budget: " + "; ".join(
                        f"{k}: hidden {SHAPES[k].hidden}, intermediate {SHAPES[k].intermediate}, {SHAPES[k].heads} "
@@ -87,5 +90,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train data-parallel (DDP) on N local processes started through torchrun, each on its rows "
                         "of every global batch, as demo --nproc")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with the run in --out: keep the methods it finished (saved in <out>/runs/ as each "
+                        "finishes; trained with the same options, data and device) and train the others")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
