@@ -260,13 +260,26 @@ def _pick_splits(names: list[str], where: str) -> tuple[str, str | None]:
     return train, held
 
 
+def _size(paths: list[Path]) -> int:
+    return sum(p.stat().st_size for p in paths)
+
+
 def _folder_source(root: Path, column: str, cap: int) -> _Source:
+    """A folder's documents: a saved dataset; its .jsonl/.json/.parquet files (text files beside them ignored)
+    when those hold most of its bytes; else every text file, one document each."""
     if _is_saved_dataset(root):
         return _saved_dataset_source(root, column, cap)
     files = _walk(root)
     structured = [p for p in files if p.name.endswith(_STRUCTURED_SUFFIXES)]
+    others = [p for p in files if not p.name.endswith(_STRUCTURED_SUFFIXES) and _is_text(p)] if structured else []
+    if structured and _size(others) > _size(structured):
+        # Mostly plain text with a few structured files among it (a source tree's .json configs): documents, the
+        # JSON ones included, rather than a dataset whose shards are the few.
+        texts = list_files(root)
+        return _files_source(texts, f"text files under {str(root)!r} (its {len(structured)} .json/.jsonl/.parquet files, "
+                                    f"{_size(structured) / 1e6:.3g} MB against {_size(others) / 1e6:.3g} MB of other "
+                                    f"text, read as documents too)")
     if structured:
-        others = [p for p in files if not p.name.endswith(_STRUCTURED_SUFFIXES) and _is_text(p)]
         kinds = sorted({p.suffix for p in structured})
         describe = f"{'/'.join(kinds)} files under {str(root)!r} (column {column!r}"
         describe += f"; {len(others)} other text files beside them ignored)" if others else ")"

@@ -127,6 +127,18 @@ def test_jsonl_json_folder_takes_structured_files_and_says_so(tmp_path):
     assert "beside the structured" not in _stream(lm, lm.train) + _stream(lm, lm.val)
 
 
+def test_a_source_tree_with_a_few_json_files_is_read_as_text(tmp_path):
+    """A folder that is mostly plain text (a source tree, a site-packages) with a few .json files among it, one
+    not JSON Lines at all, is a folder of documents, not a dataset of those few; the source line says so."""
+    docs = _docs(20)
+    _write_texts(tmp_path, docs)
+    (tmp_path / "config.json").write_text('{\n  "an": "indented config, not JSON Lines"\n}\n')
+    lm = load_lm_data(tmp_path, **SMALL, val_fraction=0.1)
+    assert sum(lm.documents) == 21
+    assert "text files under" in lm.source and "1 .json/.jsonl/.parquet files" in lm.source
+    assert "indented config" in _stream(lm, lm.train) + _stream(lm, lm.val)
+
+
 def test_single_jsonl_file_with_text_column_and_literal_separator(tmp_path):
     docs = _docs(10)
     docs[3] = docs[3] + f" a literal {EOT_TOKEN} inside a document is text, not a separator\n"
