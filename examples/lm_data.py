@@ -108,7 +108,9 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     before = tokenizer.encode_special_tokens
     tokenizer.encode_special_tokens = True
     try:
-        return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers 0.21+) skips the character offsets nothing here reads: about 30% faster
+        encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
     finally:
         tokenizer.encode_special_tokens = before
 
