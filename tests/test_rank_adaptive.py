@@ -104,21 +104,22 @@ def test_rank_discovery_at_defaults_finds_a_tt_teachers_ranks(width):
     assert student.ranks == found  # the cuts are real
 
 
-def test_rank_discovery_at_defaults_finds_a_dense_matrix_rank_on_the_middle_bond():
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3)), 4])
+def test_rank_discovery_at_defaults_finds_a_dense_matrix_rank_on_the_middle_bond(seed):
     """A dense rank-5 map: the bond between the input and output halves of the train ends at its matrix rank
     or one above, never below, and the held-out MSE within 1.25x the noise, for every seed.  (Before a
     rounding restarted the cores' Adam moments, about one run in ten lost a slice of an outer bond that this
     map needs at its full 16 and ended at 1.25-4.3x the noise; these 5 seeds end at 1.03-1.05x.  At seed 4
-    one surplus slice of the middle bond is still on at 3,000 steps; it is gone by 6,000.)"""
-    for seed in range(5):
-        torch.manual_seed(seed)
-        w = torch.randn(64, 5) @ torch.randn(5, 64)
-        x, y, x_test, y_test = _teacher_data(lambda t: t @ w.t(), 64, 0)
-        torch.manual_seed(100 + seed)
-        student = TTLinear(64, 64, rank=64, bias=False)  # every bond at its largest meaningful rank
-        ra = _fit(student, x, y)
-        assert ra.ranks()[""][3] in (5, 6), (seed, ra.ranks())
-        assert _held_out_mse(student, x_test, y_test) <= 1.25 * NOISE**2, (seed, ra.ranks())
+    one surplus slice of the middle bond is still on at 3,000 steps; it is gone by 6,000.  Seeds 1-3 run
+    with the slow tests.)"""
+    torch.manual_seed(seed)
+    w = torch.randn(64, 5) @ torch.randn(5, 64)
+    x, y, x_test, y_test = _teacher_data(lambda t: t @ w.t(), 64, 0)
+    torch.manual_seed(100 + seed)
+    student = TTLinear(64, 64, rank=64, bias=False)  # every bond at its largest meaningful rank
+    ra = _fit(student, x, y)
+    assert ra.ranks()[""][3] in (5, 6), (seed, ra.ranks())
+    assert _held_out_mse(student, x_test, y_test) <= 1.25 * NOISE**2, (seed, ra.ranks())
 
 
 def test_layers_of_different_ranks_side_by_side_are_found_at_defaults():
