@@ -5,15 +5,37 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
-__all__ = ["precision_words", "reach_time", "summarize", "format_table", "plot", "write_outputs", "environment",
+__all__ = ["precision_words", "reach_time", "step_figures", "NO_STEADY_STEP", "summarize", "format_table", "plot", "write_outputs", "environment",
            "finish"]
 
 
 def precision_words(run: dict[str, Any]) -> str:
     """A run's precision (its results' "precision"; fp32 in runs that predate it) in the table's words."""
     return {"tf32": "fp32 with TF32 matmuls", "bf16": "bf16 autocast"}.get(run.get("precision", "fp32"), "fp32")
+
+
+# The step-time cell of a run whose every step compiled (or captured): its budget ended before one ran steady.
+NO_STEADY_STEP = "n/a (every step compiled; raise --minutes)"
+
+
+def step_figures(times: list[float], compiled: Iterable[int]) -> tuple[float | None, float]:
+    """A run's median step time over the steps that did not compile (0-based indexes in `compiled`), and its
+    compile time: what the compiling steps took beyond that median.  Where every step compiled (a budget
+    shorter than the first compile) there is no steady step: the median is None and the compile time is
+    all of those steps' time, so no speed figure is read off compile times."""
+    compiled = set(compiled)
+    steady = [t for i, t in enumerate(times) if i not in compiled]
+    if not steady:
+        return None, float(sum(times))
+    median = statistics.median(steady)
+    return median, float(sum(max(0.0, times[i] - median) for i in compiled if i < len(times)))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None where either is missing."""
+    return None if a is None or b is None else a / b
 
 
 def reach_time(evals: list[dict[str, Any]], target: float, key: str = "time_s") -> float | None:
@@ -38,7 +60,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     reach = reach_time(c["evals"], d["heldout_loss"])
     unigram = result["corpus"]["unigram"]
     return {
-        "step_speedup": d["median_step_s"] / c["median_step_s"],
+        "step_speedup": ratio(d["median_step_s"], c["median_step_s"]),
         "memory_ratio": c["peak_bytes"] / d["peak_bytes"],
         "encoder_compression_end": result["dense_params"]["encoder"] / c["params_encoder"],
         "active_tt_fall": c["active_tt_params_start"] / max(1, c["active_tt_params_end"]),
@@ -55,6 +77,10 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def _step_cell(run: dict[str, Any]) -> str:
+    return NO_STEADY_STEP if run["median_step_s"] is None else f"{run['median_step_s'] * 1e3:.0f} ms"
+
+
 def _quality(e: dict[str, Any] | None) -> str:
     return "n/a" if e is None else f"{e['loss']:.3f} / {100 * e['accuracy']:.2f}%"
 
@@ -68,8 +94,8 @@ def format_table(result: dict[str, Any]) -> str:
         ("execution", d["execution"], c["execution"]),
         ("training time (compiles included, evaluations not)", f"{d['time_s']:.0f} s", f"{c['time_s']:.0f} s"),
         ("steps", f"{d['steps']:,}", f"{c['steps']:,}"),
-        ("median step time", f"{d['median_step_s'] * 1e3:.0f} ms",
-         f"{c['median_step_s'] * 1e3:.0f} ms ({s['step_speedup']:.1f}x faster)"),
+        ("median step time", _step_cell(d), _step_cell(c) + ("" if s["step_speedup"] is None
+                                                             else f" ({s['step_speedup']:.1f}x faster)")),
         ("compile time", "-" if d["compile_s"] == 0 else f"{d['compile_s']:.1f} s", f"{c['compile_s']:.1f} s"),
         ("peak tracked memory, one eager fwd+bwd", _mib(d["peak_bytes"]),
          f"{_mib(c['peak_bytes'])} ({s['memory_ratio']:.2f}x)"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import mask_batch
 from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
+from comera_compile.examples.demo_report import step_figures
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -267,9 +267,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     execution += world.describe()
     if ra is not None:
         ra.cut(share=False)  # what is switched off goes for real: the parameter counts below are the model's
-    times = history["step_time_s"]
-    steady = [t for i, t in enumerate(times) if i not in compile_steps] or times
-    median = statistics.median(steady)
+    median, compile_s = step_figures(history["step_time_s"], compile_steps)   # median None: no steady step
     result = {
         "name": name,
         "execution": execution,
@@ -281,7 +279,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "params_encoder_start": start_encoder,
         "compression_encoder": dense_encoder / encoder_params(model),
         "median_step_s": median,
-        "compile_s": sum(max(0.0, times[i] - median) for i in compile_steps),
+        "compile_s": compile_s,
         "compile_steps": [i + 1 for i in compile_steps],
         "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size, autocast),
         "peak_rss_bytes": rss_peak or None,

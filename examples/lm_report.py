@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from comera_compile.examples.demo_report import precision_words, reach_time
+from comera_compile.examples.demo_report import NO_STEADY_STEP, precision_words, ratio, reach_time
 
 __all__ = ["LABELS", "mean_rank", "summarize", "format_table", "plot"]
 
@@ -38,7 +38,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         reach_s = reach_time(r["evals"], base["val_loss"])
         reach_tokens = reach_time(r["evals"], base["val_loss"], key="tokens")
         m = {
-            "step_speedup": base["median_step_s"] / r["median_step_s"],
+            "step_speedup": ratio(base["median_step_s"], r["median_step_s"]),
             "ppl_ratio_equal_time": r["val_ppl"] / base["val_ppl"],
             "equal_tokens": at_tokens,
             "ppl_ratio_equal_tokens": None if at_tokens is None else at_tokens["ppl"] / base["val_ppl"],
@@ -88,9 +88,13 @@ def format_table(result: dict[str, Any]) -> str:
         if key == "passes":
             return "n/a" if r.get("passes") is None else f"{r['passes']:.2f}"
         if key == "step":
-            return f"{r['median_step_s'] * 1e3:.0f} ms" + ("" if first else f" ({m['step_speedup']:.2f}x {b}'s speed)")
+            if r["median_step_s"] is None:
+                return NO_STEADY_STEP
+            return f"{r['median_step_s'] * 1e3:.0f} ms" + ("" if first or m["step_speedup"] is None
+                                                          else f" ({m['step_speedup']:.2f}x {b}'s speed)")
         if key == "tps":
-            return f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s_overall']:,.0f})"
+            at_median = "n/a" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:,.0f}"
+            return f"{at_median} ({r['tokens_per_s_overall']:,.0f})"
         if key == "compile":
             return f"{r['compile_s']:.1f} s"
         if key == "memory":

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator
@@ -15,6 +14,7 @@ from torch import nn
 
 from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
+from comera_compile.examples.demo_report import step_figures
 from comera_compile.examples.demo_train import rss_bytes
 from comera_compile.examples.lm_config import LlamaShape, PretrainConfig
 
@@ -322,9 +322,10 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     if step_fn.cuda_graphs == "step":
         execution += ", the whole step one CUDA graph"
     execution += world.describe()
-    times = history["step_time_s"]
-    steady = [t for i, t in enumerate(times, 1) if i not in compile_steps] or times
-    median = statistics.median(steady)
+    median, compile_s = step_figures(history["step_time_s"], [i - 1 for i in compile_steps])
+    if median is None and world.main:
+        log(f"{method}: each of its {step} step(s) compiled: the budget ended before a steady step, so its step time "
+            f"is not measured; raise --minutes or --steps")
     result: dict[str, Any] = {
         "method": method,
         "execution": execution,
@@ -337,9 +338,9 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         "passes": passes(step, train.shape[0], cfg.batch),
         "time_s": elapsed,
         "median_step_s": median,
-        "tokens_per_s": tokens_per_step / median,
+        "tokens_per_s": None if median is None else tokens_per_step / median,
         "tokens_per_s_overall": step * tokens_per_step / elapsed,
-        "compile_s": sum(max(0.0, times[i - 1] - median) for i in compile_steps),
+        "compile_s": compile_s,
         "compile_steps": compile_steps,
         "params_total": total_params(model),
         "params_total_start": start_total,

@@ -380,6 +380,22 @@ def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
     assert result["config"]["target_ratio"] == 0.5 and result["runs"]["comera"]["stage"] == "late"
     assert result["config"]["minutes"] is None  # --steps alone is the budget
     _check_figures(result)
+    # A budget that ends inside CoMERA's first compile leaves no steady step: its step time is not measured,
+    # and no speed-up is read off compile times.
+    c = result["runs"]["comera"]
+    c["median_step_s"], c["compile_s"] = demo_report.step_figures(c["history"]["step_time_s"], range(c["steps"]))
+    assert c["median_step_s"] is None and c["compile_s"] == pytest.approx(sum(c["history"]["step_time_s"]))
+    result["summary"] = demo_report.summarize(result)
+    assert result["summary"]["step_speedup"] is None
+    row = next(line for line in demo_report.format_table(result).splitlines() if line.startswith("| median step"))
+    assert "n/a (every step compiled; raise --minutes)" in row and "faster" not in row
+
+
+def test_step_figures_leave_the_compiling_steps_out_of_the_median():
+    """The median over the steady steps; the compile time is what the compiling steps took beyond it."""
+    median, compile_s = demo_report.step_figures([10.0, 1.0, 1.2, 0.8, 5.0, 1.1], [0, 4])
+    assert median == pytest.approx(1.05) and compile_s == pytest.approx((10.0 - 1.05) + (5.0 - 1.05))
+    assert demo_report.step_figures([3.0, 0.5], [0, 1]) == (None, 3.5)
 
 
 @pytest.mark.slow

@@ -251,6 +251,13 @@ def test_a_second_pass_over_the_training_text_is_said_and_counted(keep_threads):
     table = lm_report.format_table(result)
     assert "| passes over the training text" in table and "1.40" in table
     assert "Batches repeated (passes over the training text: dense 1.4)" in table
+    # A method whose every step compiled has no step time: n/a, and no speed ratio read off compile times.
+    result["runs"]["comera"] = {**r, "median_step_s": None, "tokens_per_s": None}
+    result["summary"] = lm_report.summarize(result)
+    assert result["summary"]["methods"]["comera"]["step_speedup"] is None
+    row = next(line for line in lm_report.format_table(result).splitlines() if line.startswith("| median step"))
+    assert row.count("n/a (every step compiled; raise --minutes)") == 1 and "speed" not in row
+    del result["runs"]["comera"]
     short = lp.train_one("dense", lp.build_model(MICRO_SHAPE, 300, seed=0),
                          lp.PretrainConfig(**{**vars(cfg), "steps": 5}), train, data[10:], log=said.append)
     assert len(said) == 1 and short["passes"] == pytest.approx(1.0)   # one whole pass: nothing repeated
