@@ -27,6 +27,7 @@ from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError
 from comera_compile.examples.demo_dist import (PARALLEL, World, arithmetic, from_env, placement_checks,
                                                resolve_precision, run_in_world)
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
+from comera_compile.examples.run_store import RunStore, fingerprint
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
 
 __all__ = ["DemoConfig", "SIZES", "PRESETS", "CodeMLM", "DemoError", "preset", "prepare_data", "build_models", "run"]
@@ -92,6 +93,7 @@ class DemoConfig:
     # rows of every global batch of `batch` rows: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2).
     parallel: str = "ddp"
     precision: str | None = None  # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
+    resume: bool = False  # keep the runs saved in `out` by a run that stopped (trained the same way), train the rest
 
     def arithmetic(self) -> str:
         """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
@@ -108,6 +110,7 @@ class DemoConfig:
         option to change."""
         self.model_size()
         checks = [
+            (not self.resume or self.out is not None, "--resume needs --out DIR, the folder of the run to go on with"),
             (self.minutes is not None or self.steps is not None,
              "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
@@ -282,12 +285,18 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
         + (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")
         + (f" per process, {world.size} processes ({cfg.parallel.upper()}), {cfg.batch // world.size} rows each "
            f"of every global batch of {cfg.batch}" if world.size > 1 else ""))
-    runs: dict[str, dict[str, Any]] = {}
-    with arithmetic(cfg.arithmetic(), device):
-        runs["dense"] = train_one("dense", dense, cfg, data, dense_encoder, world=world)
+    env = demo_report.environment(world.size, device)
+    corpus_print = {f"corpus {k}": v for k, v in corpus_info.items() if k not in ("unigram", "prepare_s")}
+    store = RunStore(out, ["dense", "comera"], fingerprint(cfg, ("out", "progress", "resume"), env, **corpus_print),
+                     resume=cfg.resume, main=world.main, log=log)
+    with store.training("demo"), arithmetic(cfg.arithmetic(), device):
+        if "dense" not in store.runs:
+            store.save("dense", train_one("dense", dense, cfg, data, dense_encoder, world=world))
         del dense  # its memory is not the CoMERA run's
-        runs["comera"] = train_one("comera", tt, cfg, data, dense_encoder, eval_steps=(runs["dense"]["steps"],),
-                                   world=world)
+        if "comera" not in store.runs:
+            store.save("comera", train_one("comera", tt, cfg, data, dense_encoder,
+                                           eval_steps=(store.runs["dense"]["steps"],), world=world))
+    runs = {name: store.runs[name] for name in ("dense", "comera")}
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     result = {
@@ -296,7 +305,7 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
                                              "dropout": cfg.dropout},
         "corpus": corpus_info,
         "dense_params": {"encoder": dense_encoder, "model": dense_total},
-        **demo_report.environment(world.size, device),
+        **env,
         "runs": runs,
     }
     return demo_report.finish(result, demo_report.summarize, world.main, out, t_start, demo_report.format_table,

@@ -18,7 +18,6 @@ Run it: ``comera-compile pretrain`` (options: ``comera-compile pretrain --help``
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import os
 import time
 from dataclasses import asdict
@@ -34,6 +33,7 @@ from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaSha
 from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss,
                                               decoder_params, evaluate, galore_optimizer, lr_factor, passes,
                                               total_params, train_one)
+from comera_compile.examples.run_store import RunStore, fingerprint
 
 __all__ = ["METHODS", "SHAPES", "PRESETS", "PretrainConfig", "LlamaShape", "DemoError", "preset", "lr_factor",
            "Schedule", "build_model", "causal_lm_loss", "evaluate", "batches", "train_one", "run", "decoder_params",
@@ -46,56 +46,9 @@ def default_out_dir() -> Path:
     return Path("runs") / ("pretrain-" + _dt.datetime.now().strftime("%Y%m%d-%H%M%S"))
 
 
-# Config fields that do not change what a method's run is: where it is written, what else is trained, how
-# it is shown.  Every other field, the data and the device must match for --resume to keep a saved run.
+# Config fields that do not change what a method's run is (where it is written, what else trains, how it is
+# shown): --resume keeps a saved run whose other fields, data, device and torch match.
 _NOT_FINGERPRINTED = ("out", "methods", "progress", "resume")
-
-
-def _fingerprint(cfg: PretrainConfig, data_source: str, vocab_size: int, env: dict[str, Any]) -> dict[str, Any]:
-    """What a saved run must share with this one for --resume to keep it: the config (but _NOT_FINGERPRINTED),
-    the data and the place it ran (device, processes, torch)."""
-    fields = {k: v for k, v in asdict(cfg).items() if k not in _NOT_FINGERPRINTED}
-    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in fields.items()}
-    return {**fields, "data_source": data_source, "vocab_size": vocab_size,
-            **{k: env[k] for k in ("device", "processes", "torch")}}
-
-
-def run_path(out: Path, method: str) -> Path:
-    """Where a finished method's run is kept: ``<out>/runs/<method>.json``."""
-    return Path(out) / "runs" / f"{method}.json"
-
-
-def _save_run(out: Path, method: str, run: dict[str, Any], fingerprint: dict[str, Any]) -> None:
-    path = run_path(out, method)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")   # a run stopped while writing leaves no half file behind
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "run": run}, indent=1) + "\n")
-    tmp.replace(path)
-
-
-def _kept_runs(out: Path, methods: list[str], fingerprint: dict[str, Any],
-               log: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """The saved runs of `methods` in out that --resume keeps; DemoError if one was trained differently."""
-    kept: dict[str, dict[str, Any]] = {}
-    for method in methods:
-        path = run_path(out, method)
-        if not path.is_file():
-            continue
-        try:
-            saved = json.loads(path.read_text())
-            run, theirs = saved["run"], saved["fingerprint"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise DemoError(f"--resume: {path} is not a run this command saved ({e}); move it away to train "
-                            f"{method} again") from e
-        differ = [k for k in sorted(set(fingerprint) | set(theirs)) if fingerprint.get(k) != theirs.get(k)]
-        if differ:
-            said = ", ".join(f"{k} {theirs.get(k)!r} there, {fingerprint.get(k)!r} here" for k in differ)
-            raise DemoError(f"--resume: {method}'s run in {path} was trained differently ({said}); give the options "
-                            f"it ran with, or a new --out")
-        kept[method] = run
-    log(f"resume: {', '.join(kept) or 'no finished run'} kept from {out}"
-        + (f"; training {', '.join(m for m in methods if m not in kept)}" if len(kept) < len(methods) else ""))
-    return kept
 
 
 def _model_for(method: str, cfg: PretrainConfig, vocab_size: int, device: torch.device) -> nn.Module:
@@ -162,34 +115,23 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     del dense
     log(f"dense: {dense_params['total']:,} parameters, {dense_params['decoder']:,} in the decoder layers")
     env = demo_report.environment(world.size, device)
-    fingerprint = _fingerprint(cfg, data.source, data.vocab_size, env)
-    runs: dict[str, dict[str, Any]] = _kept_runs(out, methods, fingerprint, log) if cfg.resume else {}
-    saved = [m for m in methods if not cfg.resume and run_path(out, m).is_file()]
-    if saved:
-        log(f"note: {out / 'runs'} holds finished runs of {', '.join(saved)}; this run replaces them (--resume would "
-            f"keep them)")
-    try:
-        with arithmetic(cfg.arithmetic(), device):
-            for method in methods:
-                if method in runs:
-                    continue
-                torch._dynamo.reset()  # each method compiles its own graphs, inside its own budget
-                model = _model_for(method, cfg, data.vocab_size, device)
-                if method == "comera":
-                    log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at "
-                        f"rank {cfg.rank}")
-                first = runs.get(methods[0])
-                eval_tokens = (first["tokens"],) if first is not None else ()
-                runs[method] = train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
-                                         log=log)
-                del model
-                if world.main:
-                    _save_run(out, method, runs[method], fingerprint)
-    except BaseException:
-        if runs and len(runs) < len(methods):
-            log(f"stopped: {', '.join(runs)} finished and kept in {out / 'runs'}; the same command with --resume "
-                f"--out {out} trains only the rest")
-        raise
+    store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, data_source=data.source,
+                                               vocab_size=data.vocab_size),
+                     resume=cfg.resume, main=world.main, log=log)
+    with store.training("pretrain"), arithmetic(cfg.arithmetic(), device):
+        for method in methods:
+            if method in store.runs:
+                continue
+            torch._dynamo.reset()  # each method compiles its own graphs, inside its own budget
+            model = _model_for(method, cfg, data.vocab_size, device)
+            if method == "comera":
+                log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at rank "
+                    f"{cfg.rank}")
+            first = store.runs.get(methods[0])
+            eval_tokens = (first["tokens"],) if first is not None else ()
+            store.save(method, train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
+                                         log=log))
+            del model
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     config["warmup_steps"] = cfg.warmup()
@@ -201,7 +143,7 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
                  "val_tokens": int(val.shape[0] * (cfg.seq_len - 1))},
         "dense_params": dense_params,
         **env,
-        "runs": {m: runs[m] for m in methods},
+        "runs": {m: store.runs[m] for m in methods},
     }
     return demo_report.finish(result, lm_report.summarize, world.main, out, t_start, lm_report.format_table,
                               lm_report.plot, log)

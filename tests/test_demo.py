@@ -372,9 +372,29 @@ def _check_figures(result: dict) -> None:
     assert f"tokens in {'bf16 autocast' if result['config']['precision'] == 'bf16' else 'fp32'};" in table
 
 
-def test_demo_smoke_eager_writes_consistent_outputs(tmp_path):
-    result = _run_cli(tmp_path, "--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5",
-                      "--precision", "bf16")
+def test_demo_smoke_eager_writes_consistent_outputs(tmp_path, monkeypatch, capsys):
+    """The whole demo, eager, stopped once in CoMERA's run: dense's run is kept in <out>/runs, and --resume
+    trains CoMERA alone (evaluated at dense's kept step count) and writes the outputs of both."""
+    args = ("--no-compile", "--dense-backend", "eager", "--target-ratio", "0.5", "--precision", "bf16")
+    real, trained = code_mlm.train_one, []
+
+    def stop_in_comera(name, *a, **k):
+        trained.append((name, k.get("eval_steps", ())))
+        if name == "comera":
+            raise KeyboardInterrupt
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(code_mlm, "train_one", stop_in_comera)
+    with pytest.raises(KeyboardInterrupt):
+        _run_cli(tmp_path, *args)
+    out = tmp_path / "out"
+    assert f"stopped: dense finished and kept in {out / 'runs'}" in capsys.readouterr().out
+    kept = json.loads((out / "runs" / "dense.json").read_text())["run"]
+    monkeypatch.setattr(code_mlm, "train_one", lambda name, *a, **k: (trained.append((name, k.get("eval_steps", ()))),
+                                                                      real(name, *a, **k))[1])
+    trained.clear()
+    result = _run_cli(tmp_path, *args, "--resume")
+    assert trained == [("comera", (kept["steps"],))] and result["runs"]["dense"] == kept
     assert all(r["precision"] == "bf16" for r in result["runs"].values())
     assert result["runs"]["comera"]["execution"] == result["runs"]["dense"]["execution"] == "eager"
     assert result["config"]["target_ratio"] == 0.5 and result["runs"]["comera"]["stage"] == "late"

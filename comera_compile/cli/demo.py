@@ -21,6 +21,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     given = given_options(args, _DEMO_OPTIONS)
     if args.no_compile:
         given["compile"] = False
+    if args.resume:
+        given["resume"] = True
     if args.device == "cuda" and args.batch is None:
         given["batch"] = CUDA_DEMO_BATCH   # a GPU wants more rows per step than the CPU default
     return train("demo", code_mlm, args, argv, given, threads=args.threads)
@@ -83,4 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "encoder layer, then the model)")
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
+    d.add_argument("--resume", action="store_true",
+                   help="go on with the run in --out: keep the model runs it finished (saved in <out>/runs/ as each "
+                        "finishes; trained with the same options, data and device) and train the other")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -1,0 +1,93 @@
+"""Each model's run of a comparison (demo, pretrain) saved as soon as it finishes, so that a stopped run goes on
+with ``--resume``: the runs saved in ``<out>/runs/`` that were trained the same way are kept, and only the
+others train."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from comera_compile.examples.code_data import DemoError
+
+__all__ = ["fingerprint", "run_path", "RunStore"]
+
+
+def fingerprint(cfg: Any, skip: tuple[str, ...], env: dict[str, Any], **data: Any) -> dict[str, Any]:
+    """What a saved run must share with this one for --resume to keep it: the config's fields but `skip`
+    (where it is written, what else trains, how it is shown), the `data` given, and from `env`
+    (demo_report.environment) the device, the process count, the CPU threads and torch's version."""
+    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k not in skip}
+    where = {k: env[k] for k in ("device", "processes", "threads", "torch")}
+    return json.loads(json.dumps({**fields, **data, **where}))   # as a saved one reads back: tuples as lists
+
+
+def run_path(out: Path, name: str) -> Path:
+    """Where a finished run is kept: ``<out>/runs/<name>.json``."""
+    return Path(out) / "runs" / f"{name}.json"
+
+
+class RunStore:
+    """The finished runs of `names` in `out`: ``runs`` holds those --resume kept (every saved one trained with
+    the same fingerprint; DemoError naming what differs for one that was not), ``save`` keeps a new one on the
+    main process, and ``training()`` says, when the runs stop early, what was kept and how to go on."""
+
+    def __init__(self, out: Path, names: list[str], print_: dict[str, Any], *, resume: bool, main: bool,
+                 log: Callable[[str], None]) -> None:
+        self.out, self.names, self.print, self.main, self.log = Path(out), list(names), print_, main, log
+        self.runs: dict[str, dict[str, Any]] = {}
+        if resume:
+            for name in self.names:
+                saved = self._load(name)
+                if saved is not None:
+                    self.runs[name] = saved
+            rest = [n for n in self.names if n not in self.runs]
+            log(f"resume: {', '.join(self.runs) or 'no finished run'} kept from {self.out}"
+                + (f"; training {', '.join(rest)}" if rest else ""))
+        else:
+            saved = [n for n in self.names if run_path(self.out, n).is_file()]
+            if saved:
+                log(f"note: {self.out / 'runs'} holds finished runs of {', '.join(saved)}; this run replaces them "
+                    f"(--resume would keep them)")
+
+    def _load(self, name: str) -> dict[str, Any] | None:
+        path = run_path(self.out, name)
+        if not path.is_file():
+            return None
+        try:
+            saved = json.loads(path.read_text())
+            run, theirs = saved["run"], saved["fingerprint"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise DemoError(f"--resume: {path} is not a run this command saved ({e}); move it away to train "
+                            f"{name} again") from e
+        differ = [k for k in sorted(set(self.print) | set(theirs)) if self.print.get(k) != theirs.get(k)]
+        if differ:
+            said = ", ".join(f"{k} {theirs.get(k)!r} there, {self.print.get(k)!r} here" for k in differ)
+            raise DemoError(f"--resume: {name}'s run in {path} was trained differently ({said}); give the options "
+                            f"it ran with, or a new --out")
+        return run
+
+    def save(self, name: str, run: dict[str, Any]) -> None:
+        """Keep `name`'s finished run (main process only); a write cut short leaves no half file behind."""
+        self.runs[name] = run
+        if not self.main:
+            return
+        path = run_path(self.out, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"fingerprint": self.print, "run": run}, indent=1) + "\n")
+        tmp.replace(path)
+
+    @contextlib.contextmanager
+    def training(self, command: str) -> Iterator[None]:
+        """Around the training: if it stops before every run finished, name the kept ones and the command
+        that goes on."""
+        try:
+            yield
+        except BaseException:
+            if self.runs and len(self.runs) < len(self.names):
+                self.log(f"stopped: {', '.join(self.runs)} finished and kept in {self.out / 'runs'}; the same "
+                         f"`comera-compile {command}` with --resume --out {self.out} trains only the rest")
+            raise
