@@ -7,8 +7,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-__all__ = ["precision_words", "reach_time", "step_figures", "NO_STEADY_STEP", "summarize", "format_table", "plot", "write_outputs", "environment",
-           "finish"]
+__all__ = ["precision_words", "reach_time", "step_figures", "ratio", "NO_STEADY_STEP", "summarize", "format_table",
+           "plot", "write_outputs", "environment", "finish"]
 
 
 def precision_words(run: dict[str, Any]) -> str:

@@ -47,7 +47,7 @@ def default_out_dir() -> Path:
 
 
 # Config fields that do not change what a method's run is (where it is written, what else trains, how it is
-# shown): --resume keeps a saved run whose other fields, data, device and torch match.
+# shown): --resume keeps a saved run whose other fields, data, device, threads and torch match.
 _NOT_FINGERPRINTED = ("out", "methods", "progress", "resume")
 
 

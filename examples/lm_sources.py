@@ -276,9 +276,9 @@ def _folder_source(root: Path, column: str, cap: int) -> _Source:
         # Mostly plain text with a few structured files among it (a source tree's .json configs): documents, the
         # JSON ones included, rather than a dataset whose shards are the few.
         texts = list_files(root)
-        return _files_source(texts, f"text files under {str(root)!r} (its {len(structured)} .json/.jsonl/.parquet files, "
-                                    f"{_size(structured) / 1e6:.3g} MB against {_size(others) / 1e6:.3g} MB of other "
-                                    f"text, read as documents too)")
+        return _files_source(texts, f"text files under {str(root)!r} (its {len(structured)} .json/.jsonl/.parquet "
+                                    f"files, {_size(structured) / 1e6:.3g} MB against {_size(others) / 1e6:.3g} MB of "
+                                    f"other text, read as documents too)")
     if structured:
         kinds = sorted({p.suffix for p in structured})
         describe = f"{'/'.join(kinds)} files under {str(root)!r} (column {column!r}"

@@ -86,6 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--no-compile", action="store_true",
                    help="run the CoMERA model eagerly instead of under torch.compile(backend='comera')")
     d.add_argument("--resume", action="store_true",
-                   help="go on with the run in --out: keep the model runs it finished (saved in <out>/runs/ as each "
-                        "finishes; trained with the same options, data and device) and train the other")
+                   help="go on with the run in --out: keep the model runs it finished (saved in <out>/runs/ as "
+                        "each finishes; trained with the same options, data, device, threads and torch) and train "
+                        "the other")
     d.add_argument("--no-progress", action="store_true", help="no progress bars")

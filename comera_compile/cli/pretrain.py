@@ -92,6 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "of every global batch, as demo --nproc")
     p.add_argument("--resume", action="store_true",
                    help="go on with the run in --out: keep the methods it finished (saved in <out>/runs/ as each "
-                        "finishes; trained with the same options, data and device) and train the others")
+                        "finishes; trained with the same options, data, device, threads and torch) and train the "
+                        "others")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
