@@ -103,7 +103,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     backend options ``cudagraphs`` or ``profile`` choose "compiled" without one.  "off" launches every
     kernel.  On the CPU every mode but "step" (an error there) runs the same code.  ``step.cuda_graphs`` is
     the mode in effect (None on the CPU) and ``step.graph`` the StepGraph (its captures, replays and
-    warm-ups) while that mode is "step".
+    warm-ups) while that mode is "step".  ``step.last_call_compiled`` says whether the last call compiled
+    (a graph dynamo compiled, or a whole-step warm-up, probe or capture) rather than ran steady: what a loop
+    that times its steps leaves out of a steady-state median.
 
     mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
     records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
@@ -192,6 +194,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         step.graph, step.cuda_graphs = None, "compiled"
 
     def step(*args: Any) -> torch.Tensor:
+        before = _compile_marks(step.graph)
         try:
             loss = inner(*args)
         except HostReadError as e:
@@ -204,13 +207,24 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             fall_back(f"no call could be captured: {never_captured[0]}",
                       "make a setting changed every step a tensor the graph reads (learning rates: capturable, "
                       "or SGD with fused=True), or change it less often")
+        step.last_call_compiled = _compile_marks(graph) != before
         if rank_adaptive is not None:   # eager, after every compiled part of the step has run
             rank_adaptive.step(loss)
         return loss
 
     step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
     step.cuda_graphs = chosen if on_cuda or whole else None
+    step.last_call_compiled = False
     return step
+
+
+def _compile_marks(graph: Any) -> tuple[int, ...]:
+    """What a call that compiles changes: dynamo's count of the graphs it compiled in this process, and a
+    whole-step graph's warm-ups and captures."""
+    from torch._dynamo.utils import counters
+
+    marks = (counters["stats"]["unique_graphs"],)
+    return marks if graph is None else (*marks, graph.warmups, graph.captures)
 
 
 def _on_cuda(model: torch.nn.Module) -> bool:

@@ -191,7 +191,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     first_batch = None
     elapsed = 0.0  # training seconds: wall time with the held-out evaluations left out
     start_encoder = encoder_params(model)
-    compiling, compile_steps = True, []  # steps that (re)compiled: the first, and the first after a re-allocation
+    compile_steps: list[int] = []  # steps that compiled (0-based): the first ones, those after a re-allocation
     rss_peak = rss_bytes() or 0
     total = cfg.steps if budget is None else None
     bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}",
@@ -218,9 +218,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             first_batch = (inputs, positions, labels)
         sync()
         t0 = time.perf_counter()
-        graph = getattr(step_fn, "graph", None)   # the whole-step CUDA graph, where the step is one
-        before = (graph.warmups, graph.captures) if graph is not None else None
         task = step_fn(inputs, positions, labels)
+        compiled = getattr(step_fn, "last_call_compiled", False)   # compiled, probed or captured: not steady
         sched.step()
         reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
         if reallocated and forward is not model:
@@ -229,11 +228,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         sync()   # on CUDA the step's time is its device work's
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt
-        if graph is not None:   # compiled, probed or captured rather than replayed
-            compiling = (graph.warmups, graph.captures) != before
-        if compiling and backend is not None:
+        if compiled:
             compile_steps.append(step - 1)
-        compiling = reallocated
         if ra is not None and cfg.target_ratio is not None and ra.stage == "early" and ra.late_stage_at is None:
             if (budget is not None and elapsed >= cfg.late_stage_at * budget) or (
                     budget is None and step >= cfg.late_stage_at * cfg.steps):

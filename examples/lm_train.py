@@ -253,7 +253,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     stream = batches(train, cfg.batch, cfg.seed)
     rows = world.rows(cfg.batch)
     elapsed, step = 0.0, 0
-    compiling, compile_steps = True, []
+    compile_steps: list[int] = []
     rss_peak = rss_bytes() or 0
     start_decoder, start_total = decoder_params(model), total_params(model)
     total = cfg.steps if budget is None else None
@@ -279,9 +279,8 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         lr = schedule.before(step, elapsed)
         sync()
         t0 = time.perf_counter()
-        graph = step_fn.graph   # the whole-step CUDA graph, where the step is one
-        before = (graph.warmups, graph.captures) if graph is not None else None
         task = step_fn(ids, ids)
+        compiled = step_fn.last_call_compiled   # compiled, probed or captured: not a steady step
         reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
         if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
             forward = wrap(model, world)
@@ -289,11 +288,8 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         sync()
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt
-        if graph is not None:   # compiled, probed or captured rather than replayed
-            compiling = (graph.warmups, graph.captures) != before
-        if compiling:
+        if compiled:
             compile_steps.append(step)
-        compiling = reallocated
         rss_peak = max(rss_peak, rss_bytes() or 0)
         for key, value in (("step", step), ("tokens", step * tokens_per_step), ("time_s", elapsed),
                            ("loss", step_loss), ("lr", lr * cfg.peak_lr(method)), ("step_time_s", dt),

@@ -133,11 +133,32 @@ def test_each_batch_shape_is_captured_once(monkeypatch):
     opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
     step, _ = _captured_step(monkeypatch, model, opt)
     eager = _eager_step(ref, ref_opt)
-    losses = [step(x, y) for x, y in batches]
+    losses, compiled, steady = [], [], []
+    for x, y in batches:
+        replays, captures = step.graph.replays, step.graph.captures
+        losses.append(step(x, y))
+        compiled.append(step.last_call_compiled)
+        steady.append(step.graph.replays > replays and step.graph.captures == captures)   # a replay alone
     ref_losses = [eager(x, y) for x, y in batches]
     torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (4, 2, 10)
+    # the two warm-ups and the capture of each shape are what a timing loop leaves out as compiling
+    assert compiled == [not s for s in steady] and compiled == [True] * 6 + [False] * 8
+
+
+def test_last_call_compiled_marks_the_calls_that_compiled(monkeypatch):
+    """Per-graph compiled steps on the CPU: the first call compiles, a second row count compiles once more
+    (dynamo's automatic dynamic shape), and every later call of either runs steady."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="comera")
+    assert step.last_call_compiled is False
+    seen = []
+    for x, y in _batches(6, rows=(12, 12, 7, 7, 12, 7)):
+        step(x, y)
+        seen.append(step.last_call_compiled)
+    assert seen == [True, False, True, False, False, False]
 
 
 def test_rank_reallocation_and_the_late_stage_capture_anew(monkeypatch):
