@@ -193,8 +193,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         fwd = compile_forward(compiled_kwargs)
         step.graph, step.cuda_graphs = None, "compiled"
 
+    from torch._dynamo.utils import counters
+
     def step(*args: Any) -> torch.Tensor:
-        before = _compile_marks(step.graph)
+        before = _compile_marks(step.graph, counters)
         try:
             loss = inner(*args)
         except HostReadError as e:
@@ -207,7 +209,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             fall_back(f"no call could be captured: {never_captured[0]}",
                       "make a setting changed every step a tensor the graph reads (learning rates: capturable, "
                       "or SGD with fused=True), or change it less often")
-        step.last_call_compiled = _compile_marks(graph) != before
+        step.last_call_compiled = _compile_marks(step.graph, counters) != before
         if rank_adaptive is not None:   # eager, after every compiled part of the step has run
             rank_adaptive.step(loss)
         return loss
@@ -218,13 +220,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
     return step
 
 
-def _compile_marks(graph: Any) -> tuple[int, ...]:
-    """What a call that compiles changes: dynamo's count of the graphs it compiled in this process, and a
-    whole-step graph's warm-ups and captures."""
-    from torch._dynamo.utils import counters
-
-    marks = (counters["stats"]["unique_graphs"],)
-    return marks if graph is None else (*marks, graph.warmups, graph.captures)
+def _compile_marks(graph: Any, counters: dict[str, Any]) -> tuple[int, ...]:
+    """What a call that compiles changes: dynamo's count of the graphs it compiled in this process (from its
+    `counters`, read afresh: tests clear them), and a whole-step graph's warm-ups and captures."""
+    compiled = counters["stats"]["unique_graphs"]
+    return (compiled,) if graph is None else (compiled, graph.warmups, graph.captures)
 
 
 def _on_cuda(model: torch.nn.Module) -> bool:

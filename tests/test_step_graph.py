@@ -447,10 +447,14 @@ def test_auto_falls_back_to_per_graph_replays_where_the_probe_finds_a_host_read(
     with pytest.warns(UserWarning, match=r"auto.*test_step_graph\.py:\d+: __bool__.*cuda_graphs='compiled' from now"):
         losses.append(step(*batches[1]))
     ref_losses.append(_eager_step(ref, ref_opt)(*batches[1]))
-    assert step.cuda_graphs == "compiled" and step.graph is None
-    more, ref_more = _train_both(step, _eager_step(ref, ref_opt), batches[2:])
-    torch.testing.assert_close(torch.cat([torch.stack(losses), more]), torch.cat([torch.stack(ref_losses), ref_more]),
-                               rtol=1e-5, atol=1e-6)
+    assert step.cuda_graphs == "compiled" and step.graph is None and step.last_call_compiled
+    losses.append(step(*batches[2]))   # the blocks compile again, with their own graphs: not a steady step
+    assert step.last_call_compiled
+    ref_losses.append(_eager_step(ref, ref_opt)(*batches[2]))
+    more, ref_more = _train_both(step, _eager_step(ref, ref_opt), batches[3:])
+    assert not step.last_call_compiled   # steady from there
+    torch.testing.assert_close(torch.cat([torch.stack(losses), more]),
+                               torch.cat([torch.stack(ref_losses), ref_more]), rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     assert sim.captured == 0 and compiled_with == [False, None]
 
