@@ -286,8 +286,8 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
         + (f" per process, {world.size} processes ({cfg.parallel.upper()}), {cfg.batch // world.size} rows each "
            f"of every global batch of {cfg.batch}" if world.size > 1 else ""))
     env = demo_report.environment(world.size, device)
-    corpus_print = {f"corpus {k}": v for k, v in corpus_info.items() if k not in ("unigram", "prepare_s")}
-    store = RunStore(out, ["dense", "comera"], fingerprint(cfg, ("out", "progress", "resume"), env, **corpus_print),
+    corpus_counts = {f"corpus {k}": v for k, v in corpus_info.items() if k not in ("unigram", "prepare_s")}
+    store = RunStore(out, ["dense", "comera"], fingerprint(cfg, ("out", "progress", "resume"), env, **corpus_counts),
                      resume=cfg.resume, main=world.main, log=log)
     with store.training("demo"), arithmetic(cfg.arithmetic(), device):
         if "dense" not in store.runs:

@@ -34,9 +34,10 @@ class RunStore:
     the same fingerprint; DemoError naming what differs for one that was not), ``save`` keeps a new one on the
     main process, and ``training()`` says, when the runs stop early, what was kept and how to go on."""
 
-    def __init__(self, out: Path, names: list[str], print_: dict[str, Any], *, resume: bool, main: bool,
+    def __init__(self, out: Path, names: list[str], fingerprint: dict[str, Any], *, resume: bool, main: bool,
                  log: Callable[[str], None]) -> None:
-        self.out, self.names, self.print, self.main, self.log = Path(out), list(names), print_, main, log
+        self.out, self.names, self.main, self.log = Path(out), list(names), main, log
+        self.fingerprint = fingerprint
         self.runs: dict[str, dict[str, Any]] = {}
         if resume:
             for name in self.names:
@@ -62,9 +63,9 @@ class RunStore:
         except (ValueError, KeyError, TypeError) as e:
             raise DemoError(f"--resume: {path} is not a run this command saved ({e}); move it away to train "
                             f"{name} again") from e
-        differ = [k for k in sorted(set(self.print) | set(theirs)) if self.print.get(k) != theirs.get(k)]
+        differ = [k for k in sorted(set(self.fingerprint) | set(theirs)) if self.fingerprint.get(k) != theirs.get(k)]
         if differ:
-            said = ", ".join(f"{k} {theirs.get(k)!r} there, {self.print.get(k)!r} here" for k in differ)
+            said = ", ".join(f"{k} {theirs.get(k)!r} there, {self.fingerprint.get(k)!r} here" for k in differ)
             raise DemoError(f"--resume: {name}'s run in {path} was trained differently ({said}); give the options "
                             f"it ran with, or a new --out")
         return run
@@ -77,7 +78,7 @@ class RunStore:
         path = run_path(self.out, name)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"fingerprint": self.print, "run": run}, indent=1) + "\n")
+        tmp.write_text(json.dumps({"fingerprint": self.fingerprint, "run": run}, indent=1) + "\n")
         tmp.replace(path)
 
     @contextlib.contextmanager
