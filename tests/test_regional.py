@@ -237,22 +237,24 @@ def test_compile_step_with_the_rank_adaptive_trains_a_12_layer_decoder_as_the_ea
         step = cc.compile_step(m, _loss, opt, rank_adaptive=ra) if compiled else None
         if not compiled:
             ra.attach(opt)
-        losses = []
+        losses, flagged = [], []
         for i in range(4):
             x, y = _batch(i)
             if compiled:
                 losses.append(step(x, y))
+                flagged.append(step.last_call_compiled)
             else:
                 loss = _loss(m(x), y)
                 loss.backward(); opt.step(); opt.zero_grad()
                 ra.step(loss)
                 losses.append(loss.detach())
-        runs.append((ra, losses))
-    (ra, losses), (ra_eager, want) = runs
+        runs.append((ra, losses, flagged))
+    (ra, losses, flagged), (ra_eager, want, _) = runs
     assert ra.optimizer is not None and ra.steps == ra_eager.steps == 4 and ra.cuts == ra_eager.cuts >= 1
     assert [r.step for r in ra.history if r.size < ra.history[0].size][:1] == [2]
     assert ra.allocated_ranks() == ra_eager.allocated_ranks()
     assert _graphs() == 2 and eager_blocks(model) == {}
+    assert flagged == [True, False, True, False]   # the first step, and the one after the re-allocation
     torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-4, atol=1e-5)
 
 
@@ -368,9 +370,10 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
     """compile_step(cuda_graphs="auto") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
     param_groups, RankAdaptive at its defaults), as on one GPU, the capture simulated on the CPU
     (helpers.SimulatedGraphs: a stale replay or a host read fails): the whole step is chosen and kept (no
-    fallback), two warm-ups, one capture, and the losses and parameters of the eager loop, step for step.  While a CUDA graph is captured, transformers builds an explicit mask instead
-    of reading one on the host; the probing warm-up takes that path as the capture will, so the layers
-    compile for it there (a few graphs for all twelve, none per layer) and nothing compiles in the capture."""
+    fallback), two warm-ups, one capture, and the losses and parameters of the eager loop, step for step.
+    While a CUDA graph is captured, transformers builds an explicit mask instead of reading one on the host;
+    the probing warm-up takes that path as the capture will, so the layers compile for it there (a few graphs
+    for all twelve, none per layer) and nothing compiles in the capture."""
     from comera_compile import graphs
     from helpers import SimulatedGraphs
 
@@ -386,15 +389,18 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
     ref, ref_opt, ref_ra = build()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        flagged = []
         for i in range(6):
             x, y = _batch(i)
             got = step(x, y)
+            flagged.append(step.last_call_compiled)
             torch.testing.assert_close(got, _eager_step(ref, ref_opt, x, y, ref_ra), rtol=1e-4, atol=1e-5)
             if i == 1:
                 warmed = _graphs()
     assert not [str(w.message) for w in caught if "cuda_graphs=" in str(w.message)]
     assert step.cuda_graphs == "step"
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4)
+    assert flagged == [True] * 3 + [False] * 3   # two warm-ups and the capture, then replays
     assert warmed <= 3 and _graphs() == warmed and eager_blocks(model) == {}
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
