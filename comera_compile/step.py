@@ -6,6 +6,7 @@ one by one are comera_compile.regional's.  docs/method.md section 7 has the meas
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -69,7 +70,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
                  keep_memory: bool = True, regional: bool = True, mode: str | None = None,
                  autocast: torch.dtype | None = None, cuda_graphs: str | None = None, warmup: int = 2,
-                 rank_adaptive: "RankAdaptive | None" = None) -> Callable[..., torch.Tensor]:
+                 rank_adaptive: "RankAdaptive | None" = None, micro_batches: int = 1) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
     ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
@@ -113,11 +114,23 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
     detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
-    (``optimizer`` is attached to it if it has none)."""
+    (``optimizer`` is attached to it if it has none).
+
+    micro_batches (gradient accumulation): each call's batch is split along its first dimension into this
+    many micro-batches, run forward and backward one after another with their gradients added, then one
+    optimizer step: the whole batch's update at the activation memory of one micro-batch.  Every tensor
+    argument must have the batch as its first dimension (other arguments go to each micro-batch whole).
+    Each micro-batch's loss counts by its share of the rows, which gives the whole batch's loss and gradient
+    where loss_fn averages over rows (or over equally many elements per row); the call returns that loss.
+    Under DistributedDataParallel or FSDP2 the gradients are reduced once, in the last micro-batch's
+    backward; with cuda_graphs="step" all micro-batches are in the one captured graph."""
     from comera_compile.optim import FAST_KEY, prefer_fast_implementation
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r}: give a whole number >= 1 (1, the default, runs each "
+                         f"call's batch at once)")
     if rank_adaptive is not None and rank_adaptive.optimizer is None:
         rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
     kwargs: dict[str, Any] = {"options": options} if options else {}
@@ -161,9 +174,31 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         prefer_fast_implementation(optimizer)
         opt_step = optimizer.step
 
+    def forward_backward(*args: Any) -> torch.Tensor:
+        """The call's loss, its gradients added to .grad: the whole batch at once, or micro-batch by
+        micro-batch."""
+        if micro_batches == 1:
+            loss = fwd(*args)
+            loss.backward()
+            return loss
+        parts = split_batch(args, micro_batches)
+        total = None
+        for i, (part, share) in enumerate(parts):
+            last = i == len(parts) - 1
+            with contextlib.nullcontext() if last else gradient_sync_off(model):
+                loss = fwd(*part)
+                (loss * share).backward()
+            if not last and on_cuda and not whole:
+                # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
+                own_gradients(model, owned)
+            total = loss.detach() * share if total is None else total + loss.detach() * share
+        return total
+
+    owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
+
     def run(*args: Any) -> torch.Tensor:
-        loss = fwd(*args)
-        loss.backward()
+        loss = forward_backward(*args)
+        owned.clear()
         opt_step()
         optimizer.zero_grad(set_to_none=True)
         # a compiled graph's output lives in CUDA Graph memory that the next step's replay overwrites
@@ -273,3 +308,64 @@ def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: s
         options["cudagraphs"] = False
         kwargs["options"] = options
     return kwargs
+
+
+def split_batch(args: tuple[Any, ...], parts: int) -> list[tuple[tuple[Any, ...], float]]:
+    """``args`` split along the first dimension into ``parts`` micro-batches (as ``torch.tensor_split``: sizes
+    differ by at most one row), each with its share of the rows.  Every tensor of one or more dimensions must
+    have the batch (the first such tensor's rows) as its first dimension; other arguments go to every
+    micro-batch whole."""
+    batched = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() > 0]
+    if not batched:
+        raise ValueError(f"compile_step(micro_batches={parts}) splits the call's tensors along their first "
+                         f"dimension, and this call has none: pass the batch as tensors, or micro_batches=1")
+    rows = args[batched[0]].shape[0]
+    for i in batched:
+        if args[i].shape[0] != rows:
+            raise ValueError(f"compile_step(micro_batches={parts}) splits every tensor argument along its first "
+                             f"dimension, the batch, but argument {i} has shape {tuple(args[i].shape)} against "
+                             f"{rows} rows in argument {batched[0]}: give every tensor argument the batch first, "
+                             f"or reach the others from the model or loss_fn instead of passing them")
+    if rows < parts:
+        raise ValueError(f"compile_step(micro_batches={parts}) got a batch of {rows} row(s), fewer than the "
+                         f"micro-batches: give at least {parts} rows, or fewer micro-batches")
+    pieces = {i: torch.tensor_split(args[i], parts) for i in batched}
+    return [(tuple(pieces[i][k] if i in pieces else a for i, a in enumerate(args)),
+             pieces[batched[0]][k].shape[0] / rows) for k in range(parts)]
+
+
+@contextlib.contextmanager
+def gradient_sync_off(model: torch.nn.Module) -> Any:
+    """No gradient reduction across processes inside the block: DistributedDataParallel's ``no_sync``, or
+    FSDP2's ``set_requires_gradient_sync(False)`` on each of its sharded modules (set back on after).  A
+    model of one process runs as it is."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    sharded = _fsdp2_modules(model)
+    for m in sharded:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in sharded:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:   # a torch built without distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def own_gradients(model: torch.nn.Module, owned: dict[int, torch.Tensor]) -> None:
+    """Each parameter's .grad replaced by a copy the step owns, once per tensor (``owned`` holds the copies
+    by id): the next micro-batch's backward then adds into memory no CUDA graph replay overwrites."""
+    for p in model.parameters():
+        g = p.grad
+        if g is not None and id(g) not in owned:
+            p.grad = g.clone()
+            owned[id(p.grad)] = p.grad

@@ -77,6 +77,7 @@ class PretrainConfig:
     minutes: float | None = 2.0
     steps: int | None = None
     batch: int = 8
+    micro_batches: int = 1         # gradient accumulation: each process's rows of a step run in this many parts
     seq_len: int = 256
     vocab_size: int = 4096
     lr: float = 1e-3               # peak learning rate: dense AdamW, and CoMERA's cc.param_groups(model, lr)
@@ -111,6 +112,10 @@ class PretrainConfig:
     def peak_lr(self, method: str) -> float:
         return {"comera": self.comera_lr, "galore": self.galore_lr}.get(method) or self.lr
 
+    def micro_batch(self, processes: int = 1) -> int:
+        """Rows of one forward and backward pass: a process's share of the batch, split into micro-batches."""
+        return max(1, self.batch // (processes * self.micro_batches))
+
     def arithmetic(self) -> str:
         """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
         return resolve_precision(self.precision, self.device)
@@ -135,6 +140,11 @@ class PretrainConfig:
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
+            (self.micro_batches >= 1, f"--micro-batches must be at least 1, got {self.micro_batches}"),
+            (self.micro_batches <= 1 or self.batch % (processes * self.micro_batches) == 0,
+             f"--batch {self.batch} over {processes} process(es) and {self.micro_batches} micro-batch(es) per step "
+             f"leaves micro-batches of unequal size; give a --batch that is a multiple of "
+             f"{processes * self.micro_batches}, or another --micro-batches"),
             (self.seq_len >= 2, f"--seq-len must be at least 2 (a token and its successor), got {self.seq_len}"),
             (self.seq_len <= s.max_positions,
              f"--seq-len {self.seq_len} is above the model's {s.max_positions} positions (preset {self.preset!r}, "

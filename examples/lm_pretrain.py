@@ -107,6 +107,8 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     where = (torch.cuda.get_device_name(device) if cfg.device == "cuda" else f"{torch.get_num_threads()} thread(s)")
     if world.size > 1:
         where += f" per process, {world.size} processes (DDP), {cfg.batch // world.size} rows each"
+    if cfg.micro_batches > 1:
+        where += f"; each step {cfg.micro_batches} micro-batches of {cfg.micro_batch(world.size)} rows"
     log(f"model: Llama {cfg.preset!r} {asdict(shape)}; budget {budget} per model, batch {cfg.batch} x "
         f"{cfg.seq_len}, {cfg.arithmetic()}; methods {', '.join(methods)}; {where}")
     with torch.device("meta"):  # the dense counts, whichever methods run

@@ -172,14 +172,16 @@ def format_table(result: dict[str, Any]) -> str:
     if "comera" in runs and "tt_cores" in runs["comera"].get("lr_groups", {}):
         groups = runs["comera"]["lr_groups"]
         lrs += f" (CoMERA's TT cores {groups['tt_cores']:g}, rank gates {groups['rank_gates']:g})"
+    parts = cfg.get("micro_batches", 1)
+    accumulated = f" (each in {parts} micro-batches, gradients accumulated)" if parts > 1 else ""
     lines += [
         "",
         f"Llama {cfg['preset']!r}: hidden {model['hidden']}, intermediate {model['intermediate']}, {model['heads']} "
         f"heads, {model['layers']} layers, vocabulary {model['vocab_size']:,}; dense {dense['total']:,} parameters "
         f"({dense['decoder']:,} in the decoder layers). CoMERA from TT rank {cfg['rank']}; GaLore rank "
         f"{cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale {cfg['galore_scale']:g}.",
-        f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens, the same order for every "
-        f"model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, {cfg['warmup_steps']} "
+        f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the same "
+        f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, {cfg['warmup_steps']} "
         f"warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient clipping {cfg['clip']}; "
         f"seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "

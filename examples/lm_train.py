@@ -230,7 +230,8 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     autocast = autocast_dtype(cfg.arithmetic())
     # on one GPU the whole step is one CUDA graph where it can be (GaLore's optimizer is not capturable)
     graphs = "auto" if device.type == "cuda" and world.size == 1 and method != "galore" else None
-    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast, cuda_graphs=graphs)
+    step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast, cuda_graphs=graphs,
+                              micro_batches=cfg.micro_batches)
     execution = {"dense": "AdamW; cc.compile_step, Inductor",
                  "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
                  "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method]
@@ -263,7 +264,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
                unit="step" if total is not None else "s")
 
     def record_eval() -> None:
-        e = evaluate(model, val, cfg.batch)
+        e = evaluate(model, val, cfg.micro_batch())   # a forward of the training's rows at a time
         evals.append({"step": step, "tokens": step * tokens_per_step, "time_s": elapsed, **e,
                       "active_tt_params": ra.size() if ra is not None else None})
 
@@ -284,7 +285,8 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
         if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
             forward = wrap(model, world)
-            step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast)
+            step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast,
+                                      micro_batches=cfg.micro_batches)
         sync()
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt

@@ -173,13 +173,13 @@ def _stack() -> nn.Module:
         return cc.tensorize(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), rank=8, min_features=32)
 
 
-def _stack_train(model: nn.Module, rank: int = 0, world: int = 1) -> list[torch.Tensor]:
+def _stack_train(model: nn.Module, rank: int = 0, world: int = 1, micro_batches: int = 1) -> list[torch.Tensor]:
     """STEPS of cc.compile_step at its defaults (the encoder layers compiled one by one); SGD, as Adam would
     turn the exactly-zero gradient of attention's key bias into noise-driven steps."""
     import comera_compile as cc
 
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = cc.compile_step(model, nn.functional.mse_loss, opt)
+    step = cc.compile_step(model, nn.functional.mse_loss, opt, micro_batches=micro_batches)
     blocks = cc.repeated_blocks(model)
     assert len(blocks) == 2 and all(b._compiled_call_impl is not None for b in blocks)
     g = torch.Generator().manual_seed(1)
@@ -191,17 +191,32 @@ def _stack_train(model: nn.Module, rank: int = 0, world: int = 1) -> list[torch.
 
 
 def _stack_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Two micro-batches per step in each process, its gradient all-reduces counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     with _process_group(rank, world, port):
-        torch.save(_stack_train(nn.parallel.DistributedDataParallel(_stack()), rank, world), f"{out}.{rank}")
+        ddp = nn.parallel.DistributedDataParallel(_stack())
+        reduces = []
+
+        def counting(state, bucket):
+            reduces.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counting)
+        torch.save({"params": _stack_train(ddp, rank, world, micro_batches=2), "reduces": reduces}, f"{out}.{rank}")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_process(tmp_path):
-    """cc.compile_step(DDP(model), ...) at its defaults finds the layers inside the wrapper and compiles them
-    one by one; two processes end with identical parameters, those of one process on the whole batch."""
+    """cc.compile_step(DDP(model), ..., micro_batches=2) at its defaults finds the layers inside the wrapper and
+    compiles them one by one; two processes end with identical parameters, those of one process on the whole
+    batch at once, and the gradients are all-reduced once a step (in the last micro-batch's backward: the
+    model's one bucket, STEPS times)."""
     out = str(tmp_path / "stack")
     mp.spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert [r["reduces"] for r in results] == [[0] * STEPS] * 2
+    a, b = (r["params"] for r in results)
     assert all(torch.equal(p, q) for p, q in zip(a, b))
     torch._dynamo.reset()
     single = _stack_train(_stack())

@@ -304,6 +304,34 @@ def test_compile_step_trains_as_eager_adamw_in_every_cuda_graph_mode(device, gra
         assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 6)
 
 
+@pytest.mark.parametrize("graphs", ["compiled", "step"])
+def test_micro_batches_train_as_eager_steps_on_the_whole_batch_in_each_cuda_graph_mode(device, graphs):
+    """compile_step(micro_batches=4), a batch of 32 rows: the losses and parameters of eager AdamW steps on the
+    whole batch.  "compiled": the gradients added up across the blocks' graph replays stay right (the step
+    keeps them out of graph memory the next micro-batch's replay reuses), with no recording after the first
+    steps; "step": all four micro-batches in the one captured graph."""
+    if graphs == "step":
+        needs_cuda(device, "a captured CUDA graph")
+    x, target = _batch(device, 32)
+    loss_fn = nn.CrossEntropyLoss()
+    eager = _tensorized_net(device)
+    ref_losses = _eager_losses(eager, torch.optim.AdamW(eager.parameters(), lr=1e-3), loss_fn, x, target, 8)
+    model = _tensorized_net(device)
+    step = cc.compile_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3), cuda_graphs=graphs,
+                           micro_batches=4)
+    with CudaGraphCaptures() as captures:
+        losses = [step(x, target) for _ in range(4)]
+        recorded = captures.count
+        losses += [step(x, target) for _ in range(4)]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+    if device.type == "cuda":
+        assert recorded > 0 and captures.count == recorded and captures.skips == 0
+    if graphs == "step":
+        assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 6)
+
+
 def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
     """SGD with momentum under a per-step LambdaLR, cuda_graphs="step": compile_step makes SGD fused and its
     rate a device tensor the scheduler fills, so one capture serves every rate, and the steps equal eager

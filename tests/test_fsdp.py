@@ -133,7 +133,11 @@ STEPS = 20
 
 def _train(rank: int, world: int, out: str, compiled: bool) -> None:
     """STEPS of SGD with momentum (Adam would turn the exactly-zero gradient of attention's key bias into
-    noise-driven steps that differ between any two runs), each process on its share of the batch."""
+    noise-driven steps that differ between any two runs), each process on its share of the batch.  Sharded
+    and not compiled, the steps are cc.compile_step's (backend "eager") in two micro-batches: gradients
+    accumulated unsharded, reduce-scattered once."""
+    import comera_compile as cc
+
     model = _encoder()
     if world > 1:
         _shard(model, compiled)
@@ -141,9 +145,15 @@ def _train(rank: int, world: int, out: str, compiled: bool) -> None:
         for block in model.layers:
             block.compile(backend="comera")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    accumulated = world > 1 and not compiled
+    step = cc.compile_step(model, nn.functional.mse_loss, opt, backend="eager", micro_batches=2) if accumulated \
+        else None
     per = BATCH // world
     for _, x, y in _batches(STEPS):
         sl = slice(rank * per, (rank + 1) * per)
+        if step is not None:
+            step(x[sl], y[sl])
+            continue
         nn.functional.mse_loss(model(x[sl]), y[sl]).backward()
         opt.step()
         opt.zero_grad()
@@ -155,7 +165,8 @@ def _train(rank: int, world: int, out: str, compiled: bool) -> None:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fsdp2_trains_like_one_process_on_the_whole_batch(tmp_path, compiled):
     """20 steps: every parameter within 1e-5 relative (float32; the two runs sum the gradient in a different
-    order: each process its half, then a reduce-scatter)."""
+    order: each process its half, then a reduce-scatter).  The sharded eager run accumulates two micro-batches
+    per step (cc.compile_step(..., micro_batches=2))."""
     _spawn(_train, 2, str(tmp_path / "fsdp"), compiled)
     torch._dynamo.reset()
     _spawn(_train, 1, str(tmp_path / "one"), compiled)

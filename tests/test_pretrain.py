@@ -176,6 +176,9 @@ def test_presets_have_the_papers_llama_shapes():
     (["--threads", "0"], "--threads must be at least 1"),
     (["--vocab-size", "100"], "--vocab-size must be at least 257"),
     (["--nproc", "3", "--batch", "4"], "does not split evenly over 3 processes"),
+    (["--batch", "4", "--micro-batches", "3"], "leaves micro-batches of unequal size; give a --batch that is a "
+                                                "multiple of 3"),
+    (["--micro-batches", "0"], "--micro-batches must be at least 1"),
     (["--clip", "-1"], "--clip must be positive"),
     (["--precision", "tf32"], "--precision tf32 is a mode of CUDA's matrix products"),
     pytest.param(["--device", "cuda"], "no CUDA device is visible",
@@ -349,6 +352,27 @@ def test_the_step_trains_the_same_with_the_whole_step_captured(micro, keep_threa
     assert captured["compile_steps"] == [1, 2, 3]
 
 
+@pytest.mark.slow
+def test_micro_batches_train_as_the_whole_batch(micro, keep_threads):
+    """--micro-batches 2 (batch 4: two forward and backward passes of 2 rows, one AdamW step) follows the run
+    of the whole batch at once, CoMERA with RankAdaptive: every step's loss, the learning rates and the
+    validation loss, to float32 rounding.  (Slow: its two compiles take 35 s; compile_step's micro-batches are
+    tests/test_micro_batches.py's, and the option's check and resume fingerprint run in the default tier.)"""
+    torch.set_num_threads(1)
+    data = torch.randint(0, 300, (16, 16), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for parts in (1, 2):
+        cfg = lp.PretrainConfig(preset="micro", minutes=None, steps=5, batch=4, micro_batches=parts, seq_len=16,
+                                evals=1, warmup_steps=2, rank=4, progress=False)
+        runs.append(lp.train_one("comera", lp._model_for("comera", cfg, 300, torch.device("cpu")), cfg, data[:12],
+                                 data[12:], log=lambda _: None))
+    whole, parts = runs
+    assert parts["history"]["lr"] == whole["history"]["lr"]
+    torch.testing.assert_close(torch.tensor(parts["history"]["loss"]), torch.tensor(whole["history"]["loss"]),
+                               rtol=1e-5, atol=1e-6)
+    assert parts["val_loss"] == pytest.approx(whole["val_loss"], rel=1e-5)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision, setting", [("fp32", "highest"), ("tf32", "high"), ("bf16", "high")])
 def test_cuda_matmuls_run_in_the_precision_asked_for(precision, setting, device):
@@ -439,6 +463,8 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
     trained.clear()
     with pytest.raises(SystemExit, match=r"dense's run in .* was trained differently \(batch 2 there, 4 here\)"):
         main([*args, "--resume", "--batch", "4"])
+    with pytest.raises(SystemExit, match=r"differently \(micro_batches 1 there, 2 here\)"):
+        main([*args, "--resume", "--micro-batches", "2"])
     assert trained == []
     with pytest.raises(SystemExit, match="--resume needs --out"):
         main(["pretrain", "--preset", "micro", "--resume", *MICRO_ARGS])

@@ -8,7 +8,7 @@ from pathlib import Path
 from comera_compile.cli.launch import add_config_options, given_options, train
 
 # Options of `pretrain` that map one to one onto PretrainConfig fields (None: the preset's value).
-_PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "seq_len", "vocab_size",
+_PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "micro_batches", "seq_len", "vocab_size",
                      "lr", "comera_lr", "comera_core_lr", "comera_gate_lr", "galore_lr", "warmup_steps", "clip", "rank", "galore_rank", "evals",
                      "eval_blocks", "max_bytes", "val_fraction", "seed", "device", "precision", "threads")
 
@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--steps", int, "training steps per model (alone: the budget, and the schedule runs on steps; with "
                              "--minutes: a cap)"),
             ("--batch", int, "sequences per step (global, over --nproc processes)"),
+            ("--micro-batches", int, "gradient accumulation: each process runs its rows of a step as this many "
+                                     "forward and backward passes, then one optimizer step: the papers' batch of "
+                                     "512 at the memory of --batch / N (default 1)"),
             ("--seq-len", int, "tokens per sequence (default 256)"),
             ("--vocab-size", int, "BPE vocabulary trained on the data (default 4096)"),
             ("--lr", float, "peak learning rate of dense AdamW, and of CoMERA's cc.param_groups(model, lr) "

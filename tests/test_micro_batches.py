@@ -1,0 +1,147 @@
+"""Gradient accumulation in a compiled step: ``compile_step(..., micro_batches=N)`` against eager AdamW steps on
+the whole batch (float64), the batch split the way it says, and the errors for batches it cannot split.  The
+captured whole step with micro-batches is tests/test_step_graph.py's; two processes, tests/test_ddp.py's; the
+CUDA modes, tests/test_device.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.step import split_batch
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 64)
+        self.down = nn.Linear(64, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = self.inp(x) * scale
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return cc.tensorize(Net(), rank=4, min_features=16).double()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(cc.param_groups(model, lr=3e-3), weight_decay=0.01)
+
+
+def test_micro_batches_train_as_eager_steps_on_the_whole_batch():
+    """Three micro-batches per call, backend "comera" at its defaults (the blocks compiled one by one), a
+    batch of 10 rows among ones of 12 (micro-batches of 4, 3 and 3): each call returns the whole batch's loss
+    and leaves the parameters of an eager AdamW step on the whole batch, step for step, in float64."""
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(rows, 16, generator=g, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=g))
+               for rows in (12, 12, 10, 12, 12)]
+    ref = _net()
+    ref_opt = _optimizer(ref)
+    model = _net()
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), _optimizer(model), micro_batches=3)
+    for i, (x, y) in enumerate(batches):
+        loss = step(x, y)
+        ref_loss = F.cross_entropy(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12, msg=f"loss of step {i}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after step {i}")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_micro_batches_pass_arguments_without_a_batch_dimension_whole():
+    """A float and a 0-dim tensor among the inputs reach every micro-batch as they are; the step equals the
+    eager one on the whole batch."""
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
+    weight = torch.tensor(0.5, dtype=torch.float64)
+    ref = _net()
+    ref_opt = _optimizer(ref)
+    (F.cross_entropy(ref(x, 0.7), y) * weight).backward()
+    ref_opt.step()
+    model = _net()
+
+    class WithWeight(nn.Module):   # passes the 0-dim weight through to the loss
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def forward(self, x, scale, w):
+            return self.net(x, scale), w
+
+    step = cc.compile_step(WithWeight(), lambda out, t: F.cross_entropy(out[0], t) * out[1],
+                           _optimizer(model), backend="eager", micro_batches=4)
+    step(x, 0.7, weight, y)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_micro_batch_errors_say_what_to_do():
+    """A count that is not a whole number >= 1 is refused when the step is built; a batch that cannot be split
+    (a tensor whose first dimension is not the batch, fewer rows than micro-batches, no tensor at all) at the
+    call, before any forward, so the parameters are untouched."""
+    model = _net()
+    opt = _optimizer(model)
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="micro_batches=.*whole number >= 1"):
+            cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", micro_batches=bad)
+    before = [p.detach().clone() for p in model.parameters()]
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", micro_batches=4)
+    x = torch.randn(8, 16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"argument 1 has shape \(6,\) against 8 rows in argument 0"):
+        step(x, torch.zeros(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch of 3 row.*at least 4 rows, or fewer micro-batches"):
+        step(x[:3], torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="has none: pass the batch as tensors"):
+        split_batch((1.0, "y"), 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 40), parts=st.integers(1, 12), width=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_split_batch_covers_the_batch_in_order_and_its_shares_make_the_mean(rows, parts, width, seed):
+    """For any batch of at least `parts` rows: the micro-batches put back together are the batch, their sizes
+    differ by at most one row, and the shares (rows over the batch) weigh the micro-batches' row means into
+    the batch's mean (to float64 rounding)."""
+    if rows < parts:
+        with pytest.raises(ValueError):
+            split_batch((torch.zeros(rows, width),), parts)
+        return
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 9, (rows,), generator=g)
+    pieces = split_batch((x, 2.0, target), parts)
+    assert len(pieces) == parts
+    assert torch.equal(torch.cat([p[0][0] for p in pieces]), x)
+    assert torch.equal(torch.cat([p[0][2] for p in pieces]), target)
+    assert all(p[0][1] == 2.0 for p in pieces)
+    sizes = [p[0][0].shape[0] for p in pieces]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    mean = sum(share * part[0].mean(0) for part, share in pieces)
+    torch.testing.assert_close(mean, x.mean(0), rtol=1e-12, atol=1e-12)
