@@ -65,7 +65,7 @@ class CudaGraphCaptures:
 CUDA_GRAPHS = (None, "auto", "compiled", "step", "off")
 
 
-def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
+def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | None,
                  optimizer: torch.optim.Optimizer, *, backend: str | Callable = "comera", fullgraph: bool = False,
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
                  keep_memory: bool = True, regional: bool = True, mode: str | None = None,
@@ -73,8 +73,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
                  rank_adaptive: "RankAdaptive | None" = None, micro_batches: int = 1) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
-    ``step(*inputs, target)`` returns the loss (detached); loss_fn(output, target) -> scalar.  The forward
-    and loss compile with the backend, and AOTAutograd compiles the backward with them.
+    ``step(*inputs, target, **kwargs)`` returns the loss (detached) of ``loss_fn(model(*inputs, **kwargs),
+    target)``, a scalar.  loss_fn None: the model computes its loss, as transformers' models do when given
+    ``labels``; ``step(*inputs, **kwargs)`` (e.g. ``step(**batch)``) returns ``model(...).loss`` (or the
+    output itself where it is a 0-dim tensor).  The forward and loss compile with the backend, and
+    AOTAutograd compiles the backward with them.
 
     compile_optimizer: True compiles the optimizer step too (with the backend, its CUDA Graphs off); the
     default (None) runs it eagerly: param groups left at torch's default implementation are switched to the
@@ -152,13 +155,19 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
         _graphs.check_capturable(optimizer, model)
         capture = _graphs.CudaGraphs(next((p.device for g in optimizer.param_groups for p in g["params"]), None))
 
-    def forward_loss(*args: Any) -> torch.Tensor:
+    def model_loss(*args: Any, **kw: Any) -> torch.Tensor:
+        if loss_fn is None:
+            return _loss_of(model(*args, **kw))
         *inputs, target = args
+        return loss_fn(model(*inputs, **kw), target)
+
+    def forward_loss(*flat: Any) -> torch.Tensor:
+        args, kw = unpack(flat)
         if autocast is None:
-            return loss_fn(model(*inputs), target)
+            return model_loss(*args, **kw)
         # a captured step casts afresh in every replay: autocast's cache would hold the capture's casts
         with torch.autocast(device_type, dtype=autocast, cache_enabled=not whole):
-            return loss_fn(model(*inputs), target)
+            return model_loss(*args, **kw)
 
     def compile_forward(compile_kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if regional and compile_blocks(model, backend=backend, fullgraph=fullgraph, **compile_kwargs):
@@ -181,7 +190,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
             loss = fwd(*args)
             loss.backward()
             return loss
-        parts = split_batch(args, micro_batches)
+        parts = split_batch(args, micro_batches, lambda i: _named(args, i))
         total = None
         for i, (part, share) in enumerate(parts):
             last = i == len(parts) - 1
@@ -230,10 +239,14 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor],
 
     from torch._dynamo.utils import counters
 
-    def step(*args: Any) -> torch.Tensor:
+    def step(*args: Any, **kw: Any) -> torch.Tensor:
+        if loss_fn is not None and not args:
+            raise TypeError("step(*inputs, target, **kwargs): the last positional argument is loss_fn's target, and "
+                            "this call has none; pass it, or build the step with loss_fn=None where the model "
+                            "computes its own loss (transformers' models given labels)")
         before = _compile_marks(step.graph, counters)
         try:
-            loss = inner(*args)
+            loss = inner(*pack(args, kw))
         except HostReadError as e:
             if not (auto and whole):
                 raise
@@ -310,11 +323,43 @@ def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: s
     return kwargs
 
 
-def split_batch(args: tuple[Any, ...], parts: int) -> list[tuple[tuple[Any, ...], float]]:
+def pack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """A call's positional and keyword arguments as one flat tuple, ``(names, *args, *values)``: what the
+    compiled forward, the whole-step graph (which keys its captures on the names) and the micro-batch split
+    take."""
+    return (tuple(kwargs), *args, *kwargs.values())
+
+
+def unpack(flat: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    names, rest = flat[0], flat[1:]
+    cut = len(rest) - len(names)
+    return rest[:cut], dict(zip(names, rest[cut:]))
+
+
+def _named(flat: tuple[Any, ...], i: int) -> str:
+    """How the user passed flat argument i: 'argument k' (positional) or 'keyword argument name'."""
+    names, positional = flat[0], len(flat) - 1 - len(flat[0])
+    return f"argument {i - 1}" if i - 1 < positional else f"keyword argument {names[i - 1 - positional]!r}"
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss a model computed: a 0-dim tensor itself, else the output's ``loss`` (transformers' outputs)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError(f"compile_step(model, None, ...): the model returned {type(output).__name__} with no loss; "
+                         f"give the call what makes the model compute one (transformers' models: labels=...), or "
+                         f"build the step with a loss_fn(output, target) and pass the target last")
+    return loss
+
+
+def split_batch(args: tuple[Any, ...], parts: int,
+                name: Callable[[int], str] = lambda i: f"argument {i}") -> list[tuple[tuple[Any, ...], float]]:
     """``args`` split along the first dimension into ``parts`` micro-batches (as ``torch.tensor_split``: sizes
     differ by at most one row), each with its share of the rows.  Every tensor of one or more dimensions must
     have the batch (the first such tensor's rows) as its first dimension; other arguments go to every
-    micro-batch whole."""
+    micro-batch whole.  ``name(i)`` says how argument i was passed, for the errors."""
     batched = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() > 0]
     if not batched:
         raise ValueError(f"compile_step(micro_batches={parts}) splits the call's tensors along their first "
@@ -323,8 +368,8 @@ def split_batch(args: tuple[Any, ...], parts: int) -> list[tuple[tuple[Any, ...]
     for i in batched:
         if args[i].shape[0] != rows:
             raise ValueError(f"compile_step(micro_batches={parts}) splits every tensor argument along its first "
-                             f"dimension, the batch, but argument {i} has shape {tuple(args[i].shape)} against "
-                             f"{rows} rows in argument {batched[0]}: give every tensor argument the batch first, "
+                             f"dimension, the batch, but {name(i)} has shape {tuple(args[i].shape)} against "
+                             f"{rows} rows in {name(batched[0])}: give every tensor argument the batch first, "
                              f"or reach the others from the model or loss_fn instead of passing them")
     if rows < parts:
         raise ValueError(f"compile_step(micro_batches={parts}) got a batch of {rows} row(s), fewer than the "

@@ -366,6 +366,37 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
         torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_readme_compile_step_lines_take_a_transformers_batch_and_the_model_s_own_loss(fresh_dynamo):
+    """README's compile_step lines for a model that computes its loss, run as written on a 12-layer Llama:
+    step(**batch) with input_ids, attention_mask and labels, four micro-batches a step, one graph for every
+    layer; the losses, RankAdaptive's steps and the parameters of the eager loop `model(**batch).loss.backward();
+    opt.step(); opt.zero_grad(); ra.step(loss)` on the whole batch.  A batch without labels is an error that
+    names them."""
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(0)
+    loader = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (4, 32), generator=g)
+        loader.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    names = {"cc": cc, "model": model, "opt": opt, "ra": cc.RankAdaptive(model, optimizer=opt), "loader": loader}
+    exec(compile(readme_marked_block("<!-- compile-step-hf-lines -->"), "README.md", "exec"), names)
+    twin_opt = torch.optim.AdamW(cc.param_groups(twin, lr=1e-3))
+    twin_ra = cc.RankAdaptive(twin, optimizer=twin_opt)
+    for batch in loader:
+        loss = twin(**batch).loss
+        loss.backward(); twin_opt.step(); twin_opt.zero_grad()
+        twin_ra.step(loss.detach())
+    torch.testing.assert_close(names["loss"], loss.detach(), rtol=1e-4, atol=1e-5)
+    assert names["ra"].steps == twin_ra.steps == 3
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, n
+    assert _graphs() == 1 and eager_blocks(model) == {}
+    with pytest.raises(ValueError, match="returned CausalLMOutputWithPast with no loss.*labels="):
+        names["step"](input_ids=loader[0]["input_ids"])
+
+
 def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypatch, fresh_dynamo):
     """compile_step(cuda_graphs="auto") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
     param_groups, RankAdaptive at its defaults), as on one GPU, the capture simulated on the CPU
