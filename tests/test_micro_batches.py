@@ -52,16 +52,18 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def test_micro_batches_train_as_eager_steps_on_the_whole_batch():
-    """Three micro-batches per call, backend "comera" at its defaults (the blocks compiled one by one), a
-    batch of 10 rows among ones of 12 (micro-batches of 4, 3 and 3): each call returns the whole batch's loss
-    and leaves the parameters of an eager AdamW step on the whole batch, step for step, in float64."""
+    """Three micro-batches per call (the blocks compiled one by one, by dynamo with the "eager" backend: the
+    accumulation is the step's, whatever compiles the blocks; backend "comera" runs it in
+    test_regional.py's README test), a batch of 10 rows among ones of 12 (micro-batches of 4, 3 and 3): each
+    call returns the whole batch's loss and leaves the parameters of an eager AdamW step on the whole batch,
+    step for step, in float64."""
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(rows, 16, generator=g, dtype=torch.float64), torch.randint(0, 5, (rows,), generator=g))
                for rows in (12, 12, 10, 12, 12)]
     ref = _net()
     ref_opt = _optimizer(ref)
     model = _net()
-    step = cc.compile_step(model, nn.CrossEntropyLoss(), _optimizer(model), micro_batches=3)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), _optimizer(model), backend="eager", micro_batches=3)
     for i, (x, y) in enumerate(batches):
         loss = step(x, y)
         ref_loss = F.cross_entropy(ref(x), y)
