@@ -147,16 +147,30 @@ def test_each_batch_shape_is_captured_once(monkeypatch):
     assert compiled == [not s for s in steady] and compiled == [True] * 6 + [False] * 8
 
 
+class WithLoss(nn.Module):
+    """A model that computes its own loss from keyword labels, as transformers' models do."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.net(x), labels)
+
+
 def test_micro_batches_are_captured_in_the_one_whole_step_graph(monkeypatch):
-    """compile_step(cuda_graphs="step", micro_batches=3): the three forward and backward passes, the gradients
-    they add up (allocated by the first in the capture) and the one AdamW step are one graph, captured once
-    and replayed: the losses and parameters of eager steps on the whole batch."""
+    """compile_step(model, None, cuda_graphs="step", micro_batches=3) called as step(x, labels=y): the three
+    forward and backward passes, the gradients they add up (allocated by the first in the capture) and the
+    one AdamW step are one graph, captured once and replayed: the losses and parameters of eager steps on the
+    whole batch."""
     ref = _net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    step, sim = _captured_step(monkeypatch, model, opt, micro_batches=3)
-    losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), _batches(7))
+    sim = SimulatedGraphs(model, opt)
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+    step = cc.compile_step(WithLoss(model), None, opt, backend="eager", cuda_graphs="step", micro_batches=3)
+    losses, ref_losses = _train_both(lambda x, y: step(x, labels=y), _eager_step(ref, ref_opt), _batches(7))
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5) and sim.captured == 1
