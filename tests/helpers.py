@@ -10,11 +10,43 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 # An int rank this large is capped at every bond's largest meaningful rank: an exact factorization (TT-SVD).
 FULL = 10**9
+
+
+class Block(nn.Module):
+    """A residual MLP block (Linear, LayerNorm, GELU, Linear): the repeated block of BlockNet."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.norm = nn.LayerNorm(2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.norm(self.up(x))))
+
+
+class BlockNet(nn.Module):
+    """16 features in, two repeated Blocks of width 32 (what regional compilation compiles), 5 classes out;
+    ``scale`` multiplies the first layer's output (an input that is not a tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        x = self.inp(x) * scale
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:

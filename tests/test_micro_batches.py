@@ -14,37 +14,14 @@ from torch import nn
 
 import comera_compile as cc
 from comera_compile.step import split_batch
+from helpers import BlockNet
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 64)
-        self.down = nn.Linear(64, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-        x = self.inp(x) * scale
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return cc.tensorize(Net(), rank=4, min_features=16).double()
+    return cc.tensorize(BlockNet(), rank=4, min_features=16).double()
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:

@@ -22,7 +22,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile import graphs
 from comera_compile.optim import param_groups
-from helpers import SimulatedGraphs, StaleReplay
+from helpers import Block, BlockNet, SimulatedGraphs, StaleReplay
 
 pytestmark = pytest.mark.usefixtures("single_thread", "fresh_dynamo")
 
@@ -34,34 +34,9 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-class Block(nn.Module):
-    def __init__(self, width: int = 32) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 2 * width)
-        self.norm = nn.LayerNorm(2 * width)
-        self.down = nn.Linear(2 * width, width)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.norm(self.up(x))))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(32, 5)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _net(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return cc.tensorize(Net(), rank=4, min_features=16)
+    return cc.tensorize(BlockNet(), rank=4, min_features=16)
 
 
 def _batches(n: int, rows=(12,)):
@@ -346,7 +321,7 @@ def test_a_capture_that_fails_raises_an_error_naming_the_host_read_and_the_fix(m
 
 
 class EmbeddedNet(nn.Module):
-    """A token embedding (tensorized: an eager TT lookup outside the compiled blocks) before Net's blocks."""
+    """A token embedding (tensorized: an eager TT lookup outside the compiled blocks) before BlockNet's blocks."""
 
     def __init__(self) -> None:
         super().__init__()
