@@ -181,9 +181,9 @@ def format_table(result: dict[str, Any]) -> str:
         f"({dense['decoder']:,} in the decoder layers). CoMERA from TT rank {cfg['rank']}; GaLore rank "
         f"{cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale {cfg['galore_scale']:g}.",
         f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the same "
-        f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, {cfg['warmup_steps']} "
-        f"warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient clipping {cfg['clip']}; "
-        f"seed {cfg['seed']}; {where}.",
+        f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, "
+        f"{cfg['warmup_steps']} warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient "
+        f"clipping {cfg['clip']}; seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
         f"Wall time {result['wall_time_s']:.0f} s.",
