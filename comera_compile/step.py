@@ -14,6 +14,7 @@ import torch
 
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
+from comera_compile.micro_batches import gradient_sync_off, named, own_gradients, pack, split_batch, unpack
 from comera_compile.regional import compile_blocks
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
             loss = fwd(*args)
             loss.backward()
             return loss
-        parts = split_batch(args, micro_batches, lambda i: _named(args, i))
+        parts = split_batch(args, micro_batches, lambda i: named(args, i))
         total = None
         for i, (part, share) in enumerate(parts):
             last = i == len(parts) - 1
@@ -323,25 +324,6 @@ def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: s
     return kwargs
 
 
-def pack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-    """A call's positional and keyword arguments as one flat tuple, ``(names, *args, *values)``: what the
-    compiled forward, the whole-step graph (which keys its captures on the names) and the micro-batch split
-    take."""
-    return (tuple(kwargs), *args, *kwargs.values())
-
-
-def unpack(flat: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    names, rest = flat[0], flat[1:]
-    cut = len(rest) - len(names)
-    return rest[:cut], dict(zip(names, rest[cut:]))
-
-
-def _named(flat: tuple[Any, ...], i: int) -> str:
-    """How the user passed flat argument i: 'argument k' (positional) or 'keyword argument name'."""
-    names, positional = flat[0], len(flat) - 1 - len(flat[0])
-    return f"argument {i - 1}" if i - 1 < positional else f"keyword argument {names[i - 1 - positional]!r}"
-
-
 def _loss_of(output: Any) -> torch.Tensor:
     """The loss a model computed: a 0-dim tensor itself, else the output's ``loss`` (transformers' outputs)."""
     if isinstance(output, torch.Tensor) and output.dim() == 0:
@@ -352,65 +334,3 @@ def _loss_of(output: Any) -> torch.Tensor:
                          f"give the call what makes the model compute one (transformers' models: labels=...), or "
                          f"build the step with a loss_fn(output, target) and pass the target last")
     return loss
-
-
-def split_batch(args: tuple[Any, ...], parts: int,
-                name: Callable[[int], str] = lambda i: f"argument {i}") -> list[tuple[tuple[Any, ...], float]]:
-    """``args`` split along the first dimension into ``parts`` micro-batches (as ``torch.tensor_split``: sizes
-    differ by at most one row), each with its share of the rows.  Every tensor of one or more dimensions must
-    have the batch (the first such tensor's rows) as its first dimension; other arguments go to every
-    micro-batch whole.  ``name(i)`` says how argument i was passed, for the errors."""
-    batched = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() > 0]
-    if not batched:
-        raise ValueError(f"compile_step(micro_batches={parts}) splits the call's tensors along their first "
-                         f"dimension, and this call has none: pass the batch as tensors, or micro_batches=1")
-    rows = args[batched[0]].shape[0]
-    for i in batched:
-        if args[i].shape[0] != rows:
-            raise ValueError(f"compile_step(micro_batches={parts}) splits every tensor argument along its first "
-                             f"dimension, the batch, but {name(i)} has shape {tuple(args[i].shape)} against "
-                             f"{rows} rows in {name(batched[0])}: give every tensor argument the batch first, "
-                             f"or reach the others from the model or loss_fn instead of passing them")
-    if rows < parts:
-        raise ValueError(f"compile_step(micro_batches={parts}) got a batch of {rows} row(s), fewer than the "
-                         f"micro-batches: give at least {parts} rows, or fewer micro-batches")
-    pieces = {i: torch.tensor_split(args[i], parts) for i in batched}
-    return [(tuple(pieces[i][k] if i in pieces else a for i, a in enumerate(args)),
-             pieces[batched[0]][k].shape[0] / rows) for k in range(parts)]
-
-
-@contextlib.contextmanager
-def gradient_sync_off(model: torch.nn.Module) -> Any:
-    """No gradient reduction across processes inside the block: DistributedDataParallel's ``no_sync``, or
-    FSDP2's ``set_requires_gradient_sync(False)`` on each of its sharded modules (set back on after).  A
-    model of one process runs as it is."""
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        with model.no_sync():
-            yield
-        return
-    sharded = _fsdp2_modules(model)
-    for m in sharded:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        for m in sharded:
-            m.set_requires_gradient_sync(True, recurse=False)
-
-
-def _fsdp2_modules(model: torch.nn.Module) -> list[Any]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:   # a torch built without distributed
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def own_gradients(model: torch.nn.Module, owned: dict[int, torch.Tensor]) -> None:
-    """Each parameter's .grad replaced by a copy the step owns, once per tensor (``owned`` holds the copies
-    by id): the next micro-batch's backward then adds into memory no CUDA graph replay overwrites."""
-    for p in model.parameters():
-        g = p.grad
-        if g is not None and id(g) not in owned:
-            p.grad = g.clone()
-            owned[id(p.grad)] = p.grad

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.step import split_batch
+from comera_compile.micro_batches import split_batch
 from helpers import BlockNet
 
 pytestmark = pytest.mark.usefixtures("single_thread")
