@@ -327,7 +327,8 @@ def _resumable(rank: int, world: int, out: str, mode: str, ckpt: str) -> None:
                     "steps": ra.steps}, out)
 
 
-@pytest.mark.parametrize("save_world,load_world", [(2, 1), (2, 2), (1, 2)], ids=["2to1", "2to2", "1to2"])
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (2, 2), pytest.param(1, 2, marks=pytest.mark.slow)],
+                         ids=["2to1", "2to2", "1to2"])   # 1to2 slow: 2to1 reshards too, and the suite's time is full
 def test_distributed_checkpoint_resumes_at_any_world_size(tmp_path, save_world, load_world):
     """Save at step 10 (after a cut) on save_world processes, resume on load_world: the next 10 steps'
     losses and the final model match the uninterrupted run on save_world processes: to the bit when the

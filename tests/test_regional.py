@@ -377,7 +377,7 @@ def test_the_readme_compile_step_lines_take_a_transformers_batch_and_the_model_s
     g = torch.Generator().manual_seed(0)
     loader = []
     for _ in range(3):
-        ids = torch.randint(0, VOCAB, (4, 32), generator=g)
+        ids = torch.randint(0, VOCAB, (8, 32), generator=g)   # micro-batches of _batch()'s 2 rows
         loader.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
     names = {"cc": cc, "model": model, "opt": opt, "ra": cc.RankAdaptive(model, optimizer=opt), "loader": loader}
