@@ -198,7 +198,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
             with contextlib.nullcontext() if last else gradient_sync_off(model):
                 loss = fwd(*part)
                 (loss * share).backward()
-            if not last and on_cuda and not whole:
+            if not last and on_cuda and not whole and chosen != "off":
                 # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
                 own_gradients(model, owned)
             total = loss.detach() * share if total is None else total + loss.detach() * share

@@ -264,7 +264,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
                unit="step" if total is not None else "s")
 
     def record_eval() -> None:
-        e = evaluate(model, val, cfg.micro_batch())   # a forward of the training's rows at a time
+        e = evaluate(model, val, cfg.micro_batch())   # forwards no larger than a micro-batch's
         evals.append({"step": step, "tokens": step * tokens_per_step, "time_s": elapsed, **e,
                       "active_tt_params": ra.size() if ra is not None else None})
 

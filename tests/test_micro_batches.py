@@ -53,9 +53,11 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_micro_batches_pass_arguments_without_a_batch_dimension_whole():
-    """A float and a 0-dim tensor among the inputs reach every micro-batch as they are; the step equals the
-    eager one on the whole batch."""
+@pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
+def test_micro_batches_pass_arguments_without_a_batch_dimension_whole(regional):
+    """A float and a 0-dim tensor among the inputs, one passed by keyword, reach every micro-batch as they
+    are; the step equals the eager one on the whole batch, with the blocks compiled one by one or forward and
+    loss as one graph (regional=False)."""
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
     weight = torch.tensor(0.5, dtype=torch.float64)
@@ -70,12 +72,12 @@ def test_micro_batches_pass_arguments_without_a_batch_dimension_whole():
             super().__init__()
             self.net = model
 
-        def forward(self, x, scale, w):
+        def forward(self, x, scale, w=None):
             return self.net(x, scale), w
 
     step = cc.compile_step(WithWeight(), lambda out, t: F.cross_entropy(out[0], t) * out[1],
-                           _optimizer(model), backend="eager", micro_batches=4)
-    step(x, 0.7, weight, y)
+                           _optimizer(model), backend="eager", regional=regional, micro_batches=4)
+    step(x, 0.7, y, w=weight)
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 

@@ -10,7 +10,8 @@ from comera_compile.cli.launch import add_config_options, given_options, train
 # Options of `pretrain` that map one to one onto PretrainConfig fields (None: the preset's value).
 _PRETRAIN_OPTIONS = ("data", "tokenizer", "text_column", "out", "minutes", "steps", "batch", "micro_batches",
                      "seq_len", "vocab_size", "lr", "comera_lr", "comera_core_lr", "comera_gate_lr", "galore_lr",
-                     "warmup_steps", "clip", "rank", "galore_rank", "evals", "eval_blocks", "max_bytes", "val_fraction", "seed", "device", "precision", "threads")
+                     "warmup_steps", "clip", "rank", "galore_rank", "evals", "eval_blocks", "max_bytes", "val_fraction",
+                     "seed", "device", "precision", "threads")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
