@@ -1,6 +1,7 @@
 """A training step's call as compile_step runs it: its positional and keyword arguments as one flat tuple
-(``pack``), that tuple split into micro-batches along the batch dimension (``split_batch``), the gradient
-reduction of DDP and FSDP2 held back until the last micro-batch (``gradient_sync_off``), and the gradients
+(``pack``), that tuple split into micro-batches along the batch dimension (``split_batch``), each weighed by
+its share of the label tokens where a transformers model computes a token-mean loss (``label_counts``), the
+gradient reduction of DDP and FSDP2 held back until the last micro-batch (``gradient_sync_off``), and the gradients
 kept out of memory a CUDA graph replay reuses between micro-batches (``own_gradients``).  The step itself is
 comera_compile.step's; docs/method.md section 7 says why the batch is split inside the call."""
 
@@ -10,8 +11,11 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
-__all__ = ["pack", "unpack", "named", "split_batch", "gradient_sync_off", "own_gradients"]
+__all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "gradient_sync_off", "own_gradients"]
+
+IGNORE_INDEX = -100   # transformers' label for a position no loss counts
 
 
 def pack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -56,6 +60,48 @@ def split_batch(args: tuple[Any, ...], parts: int,
     pieces = {i: torch.tensor_split(args[i], parts) for i in batched}
     return [(tuple(pieces[i][k] if i in pieces else a for i, a in enumerate(args)),
              pieces[batched[0]][k].shape[0] / rows) for k in range(parts)]
+
+
+def label_counts(model: torch.nn.Module, calls: list[dict[str, Any]]) -> list[torch.Tensor] | None:
+    """How many label tokens a transformers model's own loss averages over in each micro-batch's keyword
+    arguments: the ``labels`` other than -100, each row's first left out where the loss shifts them (causal
+    LMs, as transformers' Trainer counts), or the ``shift_labels`` given.  Device tensors, so weighing the
+    micro-batches by them reads nothing on the host.  None (weigh by rows) where the model is not
+    transformers' or a call has no labels tensor."""
+    inner = model
+    while isinstance(inner, (torch.nn.parallel.DistributedDataParallel, OptimizedModule)):
+        inner = inner.module if isinstance(inner, torch.nn.parallel.DistributedDataParallel) else inner._orig_mod
+    if not any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+               for c in type(inner).__mro__):
+        return None
+    shifts = _loss_shifts_labels(inner)
+    counts = []
+    for kw in calls:
+        labels = kw.get("shift_labels", kw.get("labels"))
+        if not isinstance(labels, torch.Tensor) or labels.dim() == 0:
+            return None
+        if shifts and "shift_labels" not in kw:
+            labels = labels[..., 1:]
+        counts.append(labels.ne(IGNORE_INDEX).sum())
+    return counts
+
+
+def _loss_shifts_labels(model: torch.nn.Module) -> bool:
+    """Whether a transformers model's loss predicts label i+1 from position i (a decoder-only causal LM)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:   # transformers before its loss module: the causal LMs shift in their own forward
+        return type(model).__name__.endswith(("ForCausalLM", "LMHeadModel"))
+    return getattr(model, "loss_function", None) is ForCausalLMLoss
+
+
+def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """A micro-batch's token-mean loss times its share ``count / total`` of the batch's label tokens; zero
+    (and no gradient) where it has none, whose mean is NaN."""
+    share = count.to(loss.dtype) / total.to(loss.dtype)
+    return torch.where(count > 0, loss * share, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ import torch
 
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
-from comera_compile.micro_batches import gradient_sync_off, named, own_gradients, pack, split_batch, unpack
+from comera_compile.micro_batches import (gradient_sync_off, label_counts, named, own_gradients, pack, split_batch,
+                                          unpack, weigh)
 from comera_compile.regional import compile_blocks
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     argument must have the batch as its first dimension (other arguments go to each micro-batch whole).
     Each micro-batch's loss counts by its share of the rows, which gives the whole batch's loss and gradient
     where loss_fn averages over rows (or over equally many elements per row); the call returns that loss.
+    A transformers model given ``labels`` (loss_fn None) averages over the label tokens that are not -100,
+    so there each micro-batch counts by its share of those (after the causal shift): padded batches too get
+    the whole batch's token mean.
     Under DistributedDataParallel or FSDP2 the gradients are reduced once, in the last micro-batch's
     backward; with cuda_graphs="step" all micro-batches are in the one captured graph."""
     from comera_compile.optim import FAST_KEY, prefer_fast_implementation
@@ -192,16 +196,19 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
             loss.backward()
             return loss
         parts = split_batch(args, micro_batches, lambda i: named(args, i))
+        counts = label_counts(model, [unpack(part)[1] for part, _ in parts]) if loss_fn is None else None
+        tokens = torch.stack(counts).sum() if counts is not None else None
         total = None
         for i, (part, share) in enumerate(parts):
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else gradient_sync_off(model):
                 loss = fwd(*part)
-                (loss * share).backward()
+                loss = loss * share if counts is None else weigh(loss, counts[i], tokens)
+                loss.backward()
             if not last and on_cuda and not whole and chosen != "off":
                 # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
                 own_gradients(model, owned)
-            total = loss.detach() * share if total is None else total + loss.detach() * share
+            total = loss.detach() if total is None else total + loss.detach()
         return total
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id

@@ -126,3 +126,54 @@ def test_split_batch_covers_the_batch_in_order_and_its_shares_make_the_mean(rows
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
     mean = sum(share * part[0].mean(0) for part, share in pieces)
     torch.testing.assert_close(mean, x.mean(0), rtol=1e-12, atol=1e-12)
+
+
+def _transformers_model(family: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small = dict(vocab_size=48, num_hidden_layers=2, num_attention_heads=2)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_key_value_heads=2, **small))
+    elif family == "gpt2":   # no loss_type: transformers' default causal loss
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, vocab_size=48, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+    else:                    # a masked LM: labels not shifted (dropout off: the two runs draw differently)
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **small))
+    return cc.tensorize(model, rank=4, min_features=32).double()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "bert"])
+def test_micro_batches_of_a_padded_transformers_batch_make_its_token_mean(family):
+    """A transformers model given labels averages its loss over the label tokens that are not -100.  Rows
+    padded to different lengths (and, for the masked LM, a few positions labelled each), split into three
+    micro-batches of which one has no label token at all: each call returns the whole batch's loss and
+    leaves the parameters of an eager AdamW step on the whole batch, in float64.  Weighing the micro-batches
+    by rows instead is off by far more than the tolerance (the first row holds most of the tokens)."""
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(1, 48, (6, 12), generator=g)
+        lengths = torch.tensor([12, 11, 1, 1, 3, 2])   # micro-batches of rows (0, 1), (2, 3), (4, 5)
+        mask = (torch.arange(12) < lengths[:, None]).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        if family == "bert":   # a masked LM's labels: the positions it predicts, here one in three
+            labels = labels.masked_fill(torch.rand(6, 12, generator=g) > 0.34, -100)
+            labels[2:4] = -100
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    ref = _transformers_model(family)
+    ref_opt = _optimizer(ref)
+    model = _transformers_model(family)
+    step = cc.compile_step(model, None, _optimizer(model), backend="eager", micro_batches=3)
+    for i, batch in enumerate(batches):
+        loss = step(**batch)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        # transformers computes the loss in float32 (its logits upcast), the gradients in float64
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-7, msg=f"loss of step {i}")
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after step {i}")

@@ -368,17 +368,18 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
 
 def test_the_readme_compile_step_lines_take_a_transformers_batch_and_the_model_s_own_loss(fresh_dynamo):
     """README's compile_step lines for a model that computes its loss, run as written on a 12-layer Llama:
-    step(**batch) with input_ids, attention_mask and labels, four micro-batches a step, one graph for every
-    layer; the losses, RankAdaptive's steps and the parameters of the eager loop `model(**batch).loss.backward();
+    step(**batch) with input_ids, attention_mask and labels (padded rows, -100 labels), four micro-batches a
+    step, one graph for every layer; the losses (token means over the whole batch), RankAdaptive's steps and the parameters of the eager loop `model(**batch).loss.backward();
     opt.step(); opt.zero_grad(); ra.step(loss)` on the whole batch.  A batch without labels is an error that
     names them."""
     model = _model("llama")
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
     loader = []
-    for _ in range(3):
-        ids = torch.randint(0, VOCAB, (8, 32), generator=g)   # micro-batches of _batch()'s 2 rows
-        loader.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    for _ in range(3):   # as a padding collator gives them: micro-batches of _batch()'s 2 rows, lengths apart
+        ids = torch.randint(0, VOCAB, (8, 32), generator=g)
+        mask = (torch.arange(32) < torch.tensor([32, 30, 4, 3, 20, 2, 31, 9])[:, None]).long()
+        loader.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
     names = {"cc": cc, "model": model, "opt": opt, "ra": cc.RankAdaptive(model, optimizer=opt), "loader": loader}
     exec(compile(readme_marked_block("<!-- compile-step-hf-lines -->"), "README.md", "exec"), names)
