@@ -230,8 +230,11 @@ class TTEmbedding(TTLayer):
     def forward(self, indices: torch.Tensor) -> torch.Tensor:
         flat = self._check_indices(indices, type(self).__name__)
         rows, inverse = self._lookup(flat)
-        out = rows if inverse is None else rows.index_select(0, inverse)
-        return out.reshape(*indices.shape, self.embedding_dim)
+        if inverse is None:
+            return rows.reshape(*indices.shape, self.embedding_dim)
+        # gathered straight into the output's shape: a tensor of its own as nn.Embedding's, not a view, whose
+        # base a compiled block taking it would guard on (a second graph for the block it feeds)
+        return F.embedding(inverse.reshape(indices.shape), rows)
 
     def to_dense(self) -> torch.Tensor:
         """The dense table (num_embeddings, embedding_dim), padding row zeroed as the lookup reads it."""

@@ -217,20 +217,31 @@ _MATMULS = {torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm, torch
 
 
 def _shape(node: Any) -> tuple[int, ...] | None:
+    """A node's shape as ints: a symbolic size (a dynamic dimension) by the value it was traced with."""
     from comera_compile.passes import node_shape
 
-    try:
-        shape = node_shape(node)
-        return None if shape is None else tuple(int(s) for s in shape)
-    except (TypeError, ValueError):   # symbolic sizes
+    shape = node_shape(node)
+    if shape is None:
         return None
+    sizes = tuple(_hint(s) for s in shape)
+    return None if None in sizes else sizes
+
+
+def _hint(value: Any) -> int | None:
+    """An int, or a SymInt's example value, read without a guard: int() on a SymInt would specialize the
+    graph being compiled to this one size, and every other size would then compile a graph of its own."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else None
 
 
 def _step(node: torch.fx.Node) -> ContractionStep | None:
     """A product node as a step: the contraction pass's own figures where it left them, else the operand
     shapes and 2 * (product of every index's size) FLOPs of the product they describe."""
     if "comera_contraction" in node.meta:
-        return ContractionStep(node.name, node.meta["comera_contraction"], int(node.meta["comera_flops"]), True)
+        return ContractionStep(node.name, node.meta["comera_contraction"], _hint(node.meta["comera_flops"]) or 0,
+                               True)
     is_call = node.op == "call_function" and node.target in _MATMULS
     if not (is_call or (node.op == "call_method" and node.target == "matmul")):
         return None

@@ -104,6 +104,40 @@ def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dyn
     assert eager_blocks(model) == {}
 
 
+def test_a_new_sequence_length_every_step_compiles_no_graph_after_the_second(fresh_dynamo):
+    """Batches padded to their longest row (transformers' padding collators) change the sequence length from
+    step to step.  On a 12-layer TT Llama at compile_step's defaults (backend "comera", the TT embedding's
+    output feeding the first block): the first length compiles a graph for its shape, the second one with
+    the length as a symbol (dynamo's automatic dynamic shapes), which serves every later length: nine
+    lengths, two graphs for all twelve layers, none eager, each step's loss the eager loop's.  (The lengths stay
+    where every TT layer's best contraction order is one; where it changes, one graph more.)  A backend
+    that reads a symbolic size as an int pins each graph to one length instead (by the ninth, dynamo's
+    recompile limit sends every block to eager); an embedding output that is a view costs a second dynamic
+    graph (the first block guards on its base)."""
+    import bisect
+
+    from comera_compile import networks
+    from comera_compile.layers import TTLinear
+
+    model = _model("llama")
+    specs = {m.spec.token for m in model.model.layers[0].modules() if isinstance(m, TTLinear)}
+    plans = [networks.tt_linear_segments(spec)[0] for spec in specs]
+    lengths = [16, *range(18, 34, 2)]
+    assert len({tuple(bisect.bisect(t, 2 * n) for t in plans) for n in lengths[1:]}) == 1
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
+    step = cc.compile_step(model, _loss, opt)
+    g = torch.Generator().manual_seed(1)
+    graphs = []
+    for length in lengths:
+        x, y = (torch.randint(0, VOCAB, (2, length), generator=g) for _ in range(2))
+        torch.testing.assert_close(step(x, y), _eager_step(twin, twin_opt, x, y), rtol=1e-4, atol=1e-5,
+                                   msg=f"loss at length {length}")
+        graphs.append(_graphs())
+    assert graphs == [1] + [2] * 8
+    assert eager_blocks(model) == {}
+
+
 def test_a_new_run_of_a_12_layer_decoder_finds_its_graph_in_aotautograd_s_cache(fresh_dynamo):
     """A second run (dynamo reset, as a restarted job or another data-parallel process) of cc.compile_step on
     a 12-layer Llama is served by AOTAutograd's cache, one hit and no bypass, and the steps it serves train
