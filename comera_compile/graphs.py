@@ -254,7 +254,7 @@ class StepGraph:
         self._warm: dict[tuple, int] = {}
         self._world: _World | None = None
         self.captures = self.replays = self.warmups = 0
-        self._changes_in_a_row, self._warned = 0, False
+        self._changes_in_a_row, self._warned, self._many_shapes_said = 0, False, False
         self._never_captured = never_captured or self._warn_never_captured
 
     def _same_world(self) -> bool:
@@ -365,4 +365,26 @@ class StepGraph:
             return None
         entry = self._graphs[key] = _Captured(graph, inputs, loss)
         self.captures += 1
+        self._many_shapes()
         return entry
+
+    def _many_shapes(self) -> None:
+        """Say once when more input shapes were captured than torch's own CUDA graph trees capture before they
+        warn (``torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit``, None: never): each new
+        shape runs ``warmup`` uncaptured steps before its capture, so shapes that keep changing (batches
+        padded to their longest row) leave most steps uncaptured."""
+        try:
+            from torch._inductor import config as inductor_config
+
+            limit = inductor_config.triton.cudagraph_dynamic_shape_warn_limit
+        except (ImportError, AttributeError):   # a torch without the setting: its default
+            limit = 8
+        if self._many_shapes_said or not limit or len(self._graphs) <= limit:
+            return
+        self._many_shapes_said = True
+        warnings.warn(
+            f"cuda_graphs='step' has captured the step for {len(self._graphs)} input shapes, and each new one "
+            f"runs {self.warmup} step(s) uncaptured before its capture: pad batches to a few fixed shapes "
+            f"(transformers' collators: pad_to_multiple_of=64, or padding='max_length'), or use "
+            f"cuda_graphs='compiled'.  torch._inductor.config.triton.cudagraph_dynamic_shape_warn_limit=None "
+            f"silences this warning, as it does torch's own", stacklevel=5)

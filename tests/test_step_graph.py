@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -120,6 +121,34 @@ def test_each_batch_shape_is_captured_once(monkeypatch):
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (4, 2, 10)
     # the two warm-ups and the capture of each shape are what a timing loop leaves out as compiling
     assert compiled == [not s for s in steady] and compiled == [True] * 6 + [False] * 8
+
+
+@pytest.mark.parametrize("limit", [8, None])
+def test_many_input_shapes_are_said_once_past_torch_s_own_limit(monkeypatch, limit):
+    """Ten batch sizes, three calls each (two warm-ups, one capture): the step trains as the eager loop, and
+    past torch's own limit for CUDA graphs of distinct shapes (8; None: never) one warning says that each
+    new shape runs uncaptured first, and how to pad batches to a few shapes."""
+    import torch._inductor.config as inductor_config
+
+    batches = [b for rows in range(3, 13) for b in _batches(3, rows=(rows,))]
+    ref = _net()
+    ref_opt = torch.optim.AdamW(param_groups(ref, lr=1e-3))
+    model = _net()
+    opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+    step, _ = _captured_step(monkeypatch, model, opt)
+    with inductor_config.patch({"triton.cudagraph_dynamic_shape_warn_limit": limit}), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert step.graph.captures == 10
+    said = [w for w in caught if "input shapes" in str(w.message)]
+    if limit is None:
+        assert said == []
+    else:
+        assert len(said) == 1 and "for 9 input shapes" in str(said[0].message)
+        assert "pad_to_multiple_of" in str(said[0].message) and said[0].filename == __file__   # the caller's line
 
 
 class WithLoss(nn.Module):
