@@ -400,12 +400,50 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
         torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_eager(tmp_path, fresh_dynamo):
+    """The transformers Trainer as people pretrain with it: batches padded to their longest row (lengths
+    8-60, labels -100 on the padding) and gradient accumulation, whose token count the Trainer hands the
+    model (``num_items_in_batch``) and the model hands each block.  With the 12 layers compiled by "comera"
+    (cc.compile_blocks), the logged losses and the trained parameters are those of the same Trainer run
+    eagerly; two graphs serve every layer and length (the first length's, then a dynamic one), none eager."""
+    base = _model("llama")
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(8, 61, (24,), generator=g).tolist()
+    data = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g)} for n in lengths]
+
+    def collate(features: list[dict]) -> dict:
+        ids = nn.utils.rnn.pad_sequence([f["input_ids"] for f in features], batch_first=True)
+        mask = (torch.arange(ids.shape[1]) < torch.tensor([len(f["input_ids"]) for f in features])[:, None])
+        return {"input_ids": ids, "attention_mask": mask.long(), "labels": ids.masked_fill(~mask, -100)}
+
+    def train(model: nn.Module) -> list[float]:
+        args = transformers.TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=2, logging_steps=1, save_strategy="no",
+                                              report_to="none", disable_tqdm=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
+                                       optimizers=(torch.optim.AdamW(cc.param_groups(model, lr=1e-3)), None))
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    eager = copy.deepcopy(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager_losses = train(eager)
+        cc.compile_blocks(base)
+        losses = train(base)
+    assert len(losses) == 3
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(base.named_parameters(), eager.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+    assert _graphs() == 2 and eager_blocks(base) == {}
+
+
 def test_the_readme_compile_step_lines_take_a_transformers_batch_and_the_model_s_own_loss(fresh_dynamo):
     """README's compile_step lines for a model that computes its loss, run as written on a 12-layer Llama:
     step(**batch) with input_ids, attention_mask and labels (padded rows, -100 labels), four micro-batches a
-    step, one graph for every layer; the losses (token means over the whole batch), RankAdaptive's steps and the parameters of the eager loop `model(**batch).loss.backward();
-    opt.step(); opt.zero_grad(); ra.step(loss)` on the whole batch.  A batch without labels is an error that
-    names them."""
+    step, one graph for every layer; the losses (token means over the whole batch), RankAdaptive's steps and
+    the parameters of the eager loop `model(**batch).loss.backward(); opt.step(); opt.zero_grad();
+    ra.step(loss)` on the whole batch.  A batch without labels is an error that names them."""
     model = _model("llama")
     twin = copy.deepcopy(model)
     g = torch.Generator().manual_seed(0)
