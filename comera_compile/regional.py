@@ -9,6 +9,7 @@ eagerly in silence: a warning names it, the guard's likely cause and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import types
@@ -18,7 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["repeated_blocks", "compile_block", "compile_blocks", "cache_off_by_default", "eager_blocks"]
+__all__ = ["repeated_blocks", "compile_block", "compile_blocks", "cache_off_by_default", "eager_blocks",
+           "drop_stale_graphs"]
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the members of each outermost ModuleList or Sequential whose members
@@ -70,6 +72,7 @@ def _compile_block(block: nn.Module, name: str | None, warned: set[tuple[type, s
                                                 (types.CellType(block._call_impl),)), **compile_kwargs)
     block._compiled_call_impl = _dispatch(block, compiled, name or type(block).__name__,
                                           bool(compile_kwargs.get("fullgraph", False)), warned)
+    block.__dict__["_comera_compiled_block"] = True   # (a plain attribute: not in state_dict or repr)
 
 
 @functools.cache
@@ -150,6 +153,25 @@ def _eager(block: nn.Module, name: str, warned: set[tuple[type, str]], why: str,
                       f"{others}. To fix it, {fix}.", UserWarning, stacklevel=4)
     if remember:
         block._comera_eager = why
+
+
+def drop_stale_graphs(model: nn.Module) -> int:
+    """Drop the graphs dynamo holds for the classes of the model's compiled blocks that hold a TT layer.
+
+    A rank re-allocation replaces those layers' Parameters with smaller ones, so no graph compiled before it
+    runs again; yet each still counts toward dynamo's recompile limit (8 per class), which a few
+    re-allocations with an evaluation graph each would reach, sending every block to eager for the rest of
+    the run.  RankAdaptive calls this after each cut.  Blocks of these classes in another model compile
+    again on their next call.  Returns the number of block classes whose graphs were dropped."""
+    from comera_compile.layers import TTLayer
+
+    classes = {type(m) for m in model.modules() if m.__dict__.get("_comera_compiled_block")
+               and any(isinstance(layer, TTLayer) for layer in m.modules())}
+    lock = getattr(getattr(torch._dynamo, "convert_frame", None), "compile_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        for cls in classes:
+            torch._dynamo.reset_code(_block_call(cls).__code__)
+    return len(classes)
 
 
 def eager_blocks(model: nn.Module) -> dict[str, str]:

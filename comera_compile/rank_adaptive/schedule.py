@@ -21,6 +21,7 @@ from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import check_retired, prefer_fast_implementation
 from ..optim_state import replace, rescale, restart
+from ..regional import drop_stale_graphs
 from . import cuts
 from .allocation import Allocation
 from .divergence import check_finite
@@ -311,11 +312,11 @@ class RankAdaptive(Reports):
 
     def _cut(self, share: bool) -> int:
         removed = cuts.cut(self._alloc, self.optimizer, share)
-        if removed:
-            self.cuts += 1
+        self.cuts += int(removed > 0)
         return removed
 
     def _reallocated(self) -> None:
+        drop_stale_graphs(self.model)   # the old shapes' graphs would count toward dynamo's recompile limit
         for fn in list(self._on_reallocate.values()):
             fn(self)
 
