@@ -167,10 +167,13 @@ def drop_stale_graphs(model: nn.Module) -> int:
 
     classes = {type(m) for m in model.modules() if m.__dict__.get("_comera_compiled_block")
                and any(isinstance(layer, TTLayer) for layer in m.modules())}
-    lock = getattr(getattr(torch._dynamo, "convert_frame", None), "compile_lock", None)
-    with lock if lock is not None else contextlib.nullcontext():
-        for cls in classes:
-            torch._dynamo.reset_code(_block_call(cls).__code__)
+    if classes:
+        import torch._dynamo
+
+        lock = getattr(getattr(torch._dynamo, "convert_frame", None), "compile_lock", None)
+        with lock if lock is not None else contextlib.nullcontext():
+            for cls in classes:
+                torch._dynamo.reset_code(_block_call(cls).__code__)
     return len(classes)
 
 
