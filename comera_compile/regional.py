@@ -156,25 +156,29 @@ def _eager(block: nn.Module, name: str, warned: set[tuple[type, str]], why: str,
 
 
 def drop_stale_graphs(model: nn.Module) -> int:
-    """Drop the graphs dynamo holds for the classes of the model's compiled blocks that hold a TT layer.
+    """Drop the graphs dynamo holds for the classes of the model's compiled blocks that hold a TT layer, and
+    for the forward and loss that cc.compile_step compiled as one graph for it (regional=False).
 
     A rank re-allocation replaces those layers' Parameters with smaller ones, so no graph compiled before it
-    runs again; yet each still counts toward dynamo's recompile limit (8 per class), which a few
+    runs again; yet each still counts toward dynamo's recompile limit (8 per code object), which a few
     re-allocations with an evaluation graph each would reach, sending every block to eager for the rest of
-    the run.  RankAdaptive calls this after each cut.  Blocks of these classes in another model compile
-    again on their next call.  Returns the number of block classes whose graphs were dropped."""
+    the run.  RankAdaptive calls this after each cut.  The same code objects of other models (blocks of
+    these classes, other compiled steps) compile again on their next call.  Returns the number of code
+    objects whose graphs were dropped."""
     from comera_compile.layers import TTLayer
 
-    classes = {type(m) for m in model.modules() if m.__dict__.get("_comera_compiled_block")
-               and any(isinstance(layer, TTLayer) for layer in m.modules())}
-    if classes:
+    codes = {_block_call(type(m)).__code__ for m in model.modules() if m.__dict__.get("_comera_compiled_block")
+             and any(isinstance(layer, TTLayer) for layer in m.modules())}
+    if any(isinstance(m, TTLayer) for m in model.modules()):
+        codes |= model.__dict__.get("_comera_compiled_codes", set())
+    if codes:
         import torch._dynamo
 
         lock = getattr(getattr(torch._dynamo, "convert_frame", None), "compile_lock", None)
         with lock if lock is not None else contextlib.nullcontext():
-            for cls in classes:
-                torch._dynamo.reset_code(_block_call(cls).__code__)
-    return len(classes)
+            for code in codes:
+                torch._dynamo.reset_code(code)
+    return len(codes)
 
 
 def eager_blocks(model: nn.Module) -> dict[str, str]:

@@ -210,24 +210,26 @@ def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh
     assert eager_blocks(model) == {}
 
 
-def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(fresh_dynamo):
+@pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
+def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(regional, fresh_dynamo):
     """Each rank re-allocation makes the blocks' graphs unusable (new, smaller Parameters) and costs a new
     graph for training and one for evaluation.  Three re-allocations, a training step and an evaluation
     after each: eight graphs for one block class in all, past dynamo's recompile limit (4 here, to keep the
     test short; 8 by default), yet every block stays compiled (RankAdaptive drops the graphs of the old
     shapes) and evaluation computes the eager model's outputs.  Kept, the old graphs would send every block
-    to eager at the second re-allocation (at the fourth with the default limit)."""
+    to eager at the second re-allocation (at the fourth with the default limit).  With forward and loss
+    compiled as one graph (regional=False; evaluation runs eagerly), one graph per re-allocation."""
     from helpers import BlockNet
 
     torch.manual_seed(0)
     model = cc.tensorize(BlockNet(), rank=8, min_features=16)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
     ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, realloc_at=1.0)
-    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager")
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", regional=regional)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
     graphs = []
-    with torch._dynamo.config.patch(recompile_limit=4):
+    with torch._dynamo.config.patch(recompile_limit=4 if regional else 2):
         for era in range(4):
             step(x, y)
             model.eval()
@@ -242,7 +244,7 @@ def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(fresh_dynamo):
                     for layer in ra.layers.values():
                         layer.gates[1][0] = 0.0
                 assert ra.step(), f"no re-allocation after era {era}"
-    assert graphs == [2, 4, 6, 8] and eager_blocks(model) == {}
+    assert graphs == ([2, 4, 6, 8] if regional else [1, 2, 3, 4]) and eager_blocks(model) == {}
 
 
 def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_dynamo):
