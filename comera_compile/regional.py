@@ -156,21 +156,28 @@ def _eager(block: nn.Module, name: str, warned: set[tuple[type, str]], why: str,
 
 
 def drop_stale_graphs(model: nn.Module) -> int:
-    """Drop the graphs dynamo holds for the classes of the model's compiled blocks that hold a TT layer, and
-    for the forward and loss that cc.compile_step compiled as one graph for it (regional=False).
+    """Drop the graphs dynamo holds for the parts of the model that hold a TT layer: its compiled blocks'
+    classes, the forward of each module class (``torch.compile(model)`` keeps its graphs on the model's
+    forward), and the forward and loss that cc.compile_step compiled as one graph (regional=False).
 
-    A rank re-allocation replaces those layers' Parameters with smaller ones, so no graph compiled before it
+    A rank re-allocation replaces TT layers' Parameters with smaller ones, so no graph compiled before it
     runs again; yet each still counts toward dynamo's recompile limit (8 per code object), which a few
-    re-allocations with an evaluation graph each would reach, sending every block to eager for the rest of
-    the run.  RankAdaptive calls this after each cut.  The same code objects of other models (blocks of
-    these classes, other compiled steps) compile again on their next call.  Returns the number of code
-    objects whose graphs were dropped."""
+    re-allocations with an evaluation graph each would reach, sending the model to eager for the rest of
+    the run.  RankAdaptive calls this after each cut.  Other models sharing these code objects (their
+    classes, another compiled step) compile again on their next call.  Returns the number of code objects
+    reset."""
     from comera_compile.layers import TTLayer
 
-    codes = {_block_call(type(m)).__code__ for m in model.modules() if m.__dict__.get("_comera_compiled_block")
-             and any(isinstance(layer, TTLayer) for layer in m.modules())}
-    if any(isinstance(m, TTLayer) for m in model.modules()):
-        codes |= model.__dict__.get("_comera_compiled_codes", set())
+    codes: set[types.CodeType] = set()
+    for m in model.modules():
+        if not any(isinstance(layer, TTLayer) for layer in m.modules()):
+            continue
+        forward = getattr(type(m).forward, "__code__", None)
+        if forward is not None:
+            codes.add(forward)
+        if m.__dict__.get("_comera_compiled_block"):
+            codes.add(_block_call(type(m)).__code__)
+        codes |= m.__dict__.get("_comera_compiled_codes", set())
     if codes:
         import torch._dynamo
 

@@ -210,31 +210,36 @@ def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh
     assert eager_blocks(model) == {}
 
 
-@pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
-def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(regional, fresh_dynamo):
+@pytest.mark.parametrize("mode", ["blocks", "whole-model", "torch.compile"])
+def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(mode, fresh_dynamo):
     """Each rank re-allocation makes the blocks' graphs unusable (new, smaller Parameters) and costs a new
     graph for training and one for evaluation.  Three re-allocations, a training step and an evaluation
     after each: eight graphs for one block class in all, past dynamo's recompile limit (4 here, to keep the
     test short; 8 by default), yet every block stays compiled (RankAdaptive drops the graphs of the old
     shapes) and evaluation computes the eager model's outputs.  Kept, the old graphs would send every block
-    to eager at the second re-allocation (at the fourth with the default limit).  With forward and loss
-    compiled as one graph (regional=False; evaluation runs eagerly), one graph per re-allocation."""
+    to eager at the second re-allocation (at the fourth with the default limit).  The same with the model
+    compiled whole by torch.compile in a plain loop; with compile_step's forward and loss as one graph
+    (regional=False; evaluation runs eagerly), one graph per re-allocation."""
     from helpers import BlockNet
 
     torch.manual_seed(0)
     model = cc.tensorize(BlockNet(), rank=8, min_features=16)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
     ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, realloc_at=1.0)
-    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", regional=regional)
+    compiled = torch.compile(model, backend="eager") if mode == "torch.compile" else model
+    if mode == "torch.compile":
+        step = _eager_step_of(compiled, opt)
+    else:
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", regional=mode == "blocks")
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
     graphs = []
-    with torch._dynamo.config.patch(recompile_limit=4 if regional else 2):
+    with torch._dynamo.config.patch(recompile_limit=2 if mode == "whole-model" else 4):
         for era in range(4):
             step(x, y)
             model.eval()
             with torch.no_grad():
-                got = model(x)
+                got = compiled(x)
                 with torch.compiler.set_stance("force_eager"):
                     torch.testing.assert_close(got, model(x), rtol=1e-5, atol=1e-6)
             model.train()
@@ -244,7 +249,15 @@ def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(regional, fresh_d
                     for layer in ra.layers.values():
                         layer.gates[1][0] = 0.0
                 assert ra.step(), f"no re-allocation after era {era}"
-    assert graphs == ([2, 4, 6, 8] if regional else [1, 2, 3, 4]) and eager_blocks(model) == {}
+    assert graphs == ([1, 2, 3, 4] if mode == "whole-model" else [2, 4, 6, 8]) and eager_blocks(model) == {}
+
+
+def _eager_step_of(model: nn.Module, opt: torch.optim.Optimizer):
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return step
 
 
 def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_dynamo):
