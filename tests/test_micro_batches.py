@@ -41,16 +41,25 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch():
     ref_opt = _optimizer(ref)
     model = _net()
     step = cc.compile_step(model, nn.CrossEntropyLoss(), _optimizer(model), backend="eager", micro_batches=3)
-    for i, (x, y) in enumerate(batches):
-        loss = step(x, y)
-        ref_loss = F.cross_entropy(ref(x), y)
-        ref_loss.backward()
+    _assert_trains_as_eager(step, model, ref, ref_opt, [((x, y), {}) for x, y in batches],
+                            lambda x, y: F.cross_entropy(ref(x), y))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _assert_trains_as_eager(step, model: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer, calls: list,
+                            ref_loss, loss_tol: tuple[float, float] = (1e-12, 1e-12)) -> None:
+    """step(*args, **kwargs) for each call against an eager step of ref on the whole batch, call by call: the
+    loss (within loss_tol, rtol and atol) and every parameter (float64)."""
+    for i, (args, kwargs) in enumerate(calls):
+        loss = step(*args, **kwargs)
+        expected = ref_loss(*args, **kwargs)
+        expected.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-12, atol=1e-12, msg=f"loss of step {i}")
+        torch.testing.assert_close(loss, expected.detach(), rtol=loss_tol[0], atol=loss_tol[1],
+                                   msg=f"loss of step {i}")
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after step {i}")
-    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
@@ -167,13 +176,6 @@ def test_micro_batches_of_a_padded_transformers_batch_make_its_token_mean(family
     ref_opt = _optimizer(ref)
     model = _transformers_model(family)
     step = cc.compile_step(model, None, _optimizer(model), backend="eager", micro_batches=3)
-    for i, batch in enumerate(batches):
-        loss = step(**batch)
-        ref_loss = ref(**batch).loss
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        # transformers computes the loss in float32 (its logits upcast), the gradients in float64
-        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=1e-7, msg=f"loss of step {i}")
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after step {i}")
+    # transformers computes the loss in float32 (its logits upcast), the gradients in float64
+    _assert_trains_as_eager(step, model, ref, ref_opt, [((), batch) for batch in batches],
+                            lambda **batch: ref(**batch).loss, loss_tol=(1e-6, 1e-7))
