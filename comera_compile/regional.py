@@ -108,10 +108,15 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         if torch.compiler.is_compiling() or block.__dict__.get("_comera_eager"):   # (in another compile: traced)
             return call_impl(*args, **kwargs)
         if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
-            _eager(block, name, warned, "it was handed a transformers KV cache, whose state dynamo guards layer by "
-                   "layer (every layer would compile a graph of its own)",
-                   "pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
-                   "which turns the cache off unless a call asks for it", remember=False)
+            why = ("it was handed a transformers KV cache, whose state dynamo guards layer by layer (every layer "
+                   "would compile a graph of its own)")
+            if block.__dict__.get("_comera_cache_off"):   # compile_blocks': the call asked for the cache
+                fix = ("leave use_cache unset (or False) where a call needs no cache; generate() needs it, and "
+                       "runs the blocks eagerly")
+            else:
+                fix = ("pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
+                       "which turns the cache off unless a call asks for it")
+            _eager(block, name, warned, why, fix, remember=False)
             return call_impl(*args, **kwargs)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
             return compiled(*args, **kwargs)
@@ -252,4 +257,5 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> list[nn.Module]:
     warned: set[tuple[type, str]] = set()
     for block in blocks:
         _compile_block(block, names.get(block), warned, compile_kwargs)
+        block.__dict__["_comera_cache_off"] = True   # a cache reaching it was asked for (its warning says so)
     return blocks
