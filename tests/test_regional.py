@@ -109,8 +109,8 @@ def test_a_new_sequence_length_every_step_compiles_no_graph_after_the_second(fre
     step to step.  On a 12-layer TT Llama at compile_step's defaults (backend "comera", the TT embedding's
     output feeding the first block): the first length compiles a graph for its shape, the second one with
     the length as a symbol (dynamo's automatic dynamic shapes), which serves every later length: nine
-    lengths, two graphs for all twelve layers, none eager, each step's loss the eager loop's.  (The lengths stay
-    where every TT layer's best contraction order is one; where it changes, one graph more.)  A backend
+    lengths, two graphs for all twelve layers, none eager, each step's loss the eager loop's.  (The lengths
+    stay where every TT layer's best contraction order is one; where it changes, one graph more.)  A backend
     that reads a symbolic size as an int pins each graph to one length instead (by the ninth, dynamo's
     recompile limit sends every block to eager); an embedding output that is a view costs a second dynamic
     graph (the first block guards on its base)."""
