@@ -177,7 +177,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     def compile_forward(compile_kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if regional and compile_blocks(model, backend=backend, fullgraph=fullgraph, **compile_kwargs):
             return forward_loss
-        model.__dict__.setdefault("_comera_compiled_codes", set()).add(forward_loss.__code__)   # drop_stale_graphs
+        owner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        owner.__dict__.setdefault("_comera_compiled_codes", set()).add(forward_loss.__code__)   # drop_stale_graphs
         return torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **compile_kwargs)
 
     fwd = compile_forward(kwargs)
