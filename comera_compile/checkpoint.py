@@ -4,12 +4,17 @@ A tensorized model's weights are TT cores, which a dense model of the same class
 ``save_pretrained`` (installed on the model by ``tensorize``, or called as ``cc.save_pretrained``) writes the
 config with the TT layout of every layer (kind, modes, ranks as allocated now) and the weights to
 ``comera_model.pt``, not to the file name transformers loads.  A plain ``from_pretrained`` of such a folder
-therefore fails (no weights file) instead of returning a dense model with freshly initialised layers;
+therefore fails instead of returning a dense model with freshly initialised layers;
 ``cc.from_pretrained(ModelClass, folder)`` rebuilds the model at the recorded shapes and ranks and loads it.
+An index (INDEX_NAME, transformers' name for a sharded checkpoint's) maps every weight to that file: the
+Trainer's ``resume_from_checkpoint`` reads it and loads the weights into the model, whose TT layers take the
+saved ranks.  It carries no ``metadata`` entry, which a plain ``from_pretrained`` reads first, so that one
+still stops (at a KeyError) before loading anything.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -19,9 +24,10 @@ from torch import nn
 from .embedding import TTEmbedding, TTEmbeddingBag
 from .layers import TTLayer, TTLinear
 
-__all__ = ["WEIGHTS_NAME", "tt_layout", "apply_layout", "save_pretrained", "from_pretrained"]
+__all__ = ["WEIGHTS_NAME", "INDEX_NAME", "tt_layout", "apply_layout", "save_pretrained", "from_pretrained"]
 
 WEIGHTS_NAME = "comera_model.pt"
+INDEX_NAME = "pytorch_model.bin.index.json"
 
 
 def tt_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -74,9 +80,9 @@ def apply_layout(model: nn.Module, layout: dict[str, dict[str, Any]]) -> nn.Modu
 
 
 def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    """Save a tensorized transformers model: config (with the TT layout as ``comera_layout``) and weights
-    in WEIGHTS_NAME.  Accepts (and ignores the serialization options of) transformers' keyword arguments,
-    so the Trainer can call it; ``state_dict=`` is honoured."""
+    """Save a tensorized transformers model: config (with the TT layout as ``comera_layout``), weights in
+    WEIGHTS_NAME and the index the Trainer resumes from (INDEX_NAME).  Accepts (and ignores the serialization
+    options of) transformers' keyword arguments, so the Trainer can call it; ``state_dict=`` is honoured."""
     if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):
         raise TypeError(f"save_pretrained needs a transformers model (with .config); for {type(model).__name__} "
                         f"save model.state_dict(): a freshly tensorized model loads it, ranks included")
@@ -88,6 +94,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
         generation.save_pretrained(save_directory)
     state = kwargs.get("state_dict") or model.state_dict()
     torch.save({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(save_directory, WEIGHTS_NAME))
+    index = {"comera_compile": f"TT weights, in {WEIGHTS_NAME}: load them with comera_compile.from_pretrained("
+                               f"ModelClass, folder), or resume with the Trainer",
+             "weight_map": {k: WEIGHTS_NAME for k in state}}
+    with open(os.path.join(save_directory, INDEX_NAME), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=1)
 
 
 def from_pretrained(model_class: Any, directory: str | os.PathLike, **config_kwargs: Any) -> nn.Module:

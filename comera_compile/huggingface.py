@@ -20,7 +20,7 @@ from comera_compile.layers import TTLayer
 if TYPE_CHECKING:
     from comera_compile.passes.module.select import TensorizeSummary
 
-__all__ = ["attach", "resize_token_embeddings", "trainer_callback"]
+__all__ = ["attach", "resize_token_embeddings", "trainer_callback", "RA_STATE_NAME"]
 
 
 def attach(model: nn.Module, summary: "TensorizeSummary") -> None:
@@ -90,20 +90,54 @@ def resize_token_embeddings(model: nn.Module, *args: Any, **kwargs: Any) -> nn.M
     return type(model).resize_token_embeddings(model, *args, **kwargs)
 
 
+RA_STATE_NAME = "rank_adaptive.pt"   # RankAdaptive's state, in each of the Trainer's checkpoint folders
+
+
 def trainer_callback(ra: Any) -> Any:
     """A ``TrainerCallback`` running `ra` (a RankAdaptive) inside ``Trainer``: ``ra.step()`` after every
     optimizer step (the Trainer's optimizer attached at the first), ``ra.cut(share=False)`` when training
-    ends.  With several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper
-    cannot be rebuilt mid-training, so switched-off slices stay allocated as zeros until the final cut."""
+    ends.  Each checkpoint the Trainer writes gets ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed
+    from one (``trainer.train(resume_from_checkpoint=...)``) takes it back at the start, so rank adaptation
+    goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is taken back before
+    the final cut.  With several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP
+    wrapper cannot be rebuilt mid-training, so switched-off slices stay allocated as zeros until the final
+    cut."""
+    import os
+
+    import torch
     from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    def folder(args: Any, state: Any) -> str:
+        return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def load(checkpoint: str, why: str) -> None:
+        path = os.path.join(checkpoint, RA_STATE_NAME)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{why}, but {path} does not exist: load the RankAdaptive state saved with those weights "
+                f"(ra.load_state_dict(torch.load('<checkpoint>/{RA_STATE_NAME}'))) before trainer.train(...)")
+        ra.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     class RankAdaptiveCallback(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
+                load(folder(args, state), f"the Trainer resumes at step {state.global_step} and RankAdaptive is "
+                                          f"at step {ra.steps}")
+
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if ra.optimizer is None and optimizer is not None:
-                ra.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the optimizer
+                ra.attach(optimizer)   # accelerate's wrapper: attach takes the torch optimizer inside
             ra.step()
 
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.is_world_process_zero and os.path.isdir(folder(args, state)):
+                torch.save(ra.state_dict(), os.path.join(folder(args, state), RA_STATE_NAME))
+
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            best = state.best_model_checkpoint
+            if args.load_best_model_at_end and best is not None:   # the Trainer loaded that one's weights
+                load(best, f"the Trainer loaded the best checkpoint's weights ({best})")
             ra.cut(share=False)
 
     return RankAdaptiveCallback()

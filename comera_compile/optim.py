@@ -13,8 +13,8 @@ from torch import nn
 from .distributed import is_sharded
 from .layers import tt_layers
 
-__all__ = ["param_groups", "prefer_fast_implementation", "check_retired", "retire", "tt_layers", "CORE_LR_FACTOR",
-           "GATE_LR_FACTOR", "FAST_KEY"]
+__all__ = ["param_groups", "prefer_fast_implementation", "check_retired", "retire", "unwrapped", "skipped_step",
+           "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -95,6 +95,29 @@ def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                     f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
                     f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
                     f"update it, or build the optimizer after the cut")
+
+
+def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer a wrapper holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
+    Lightning's ``LightningOptimizer``), or `optimizer` itself: the object whose param groups and state a cut
+    must change and whose step hooks run.  Anything else without param groups is a TypeError."""
+    inner = optimizer   # accelerate's wrapper subclasses Optimizer without its state: unwrap it all the same
+    while isinstance(getattr(inner, "optimizer", None), torch.optim.Optimizer) and inner.optimizer is not inner:
+        inner = inner.optimizer
+    if not hasattr(inner, "param_groups") or not hasattr(inner, "register_step_pre_hook"):
+        raise TypeError(f"{type(optimizer).__name__} is not a torch.optim.Optimizer and holds none as .optimizer; "
+                        f"give the torch optimizer the training loop steps")
+    return inner
+
+
+def skipped_step(optimizer: Any) -> bool:
+    """Whether a wrapper's last ``step()`` left the parameters unchanged: accelerate's optimizer inside
+    ``accelerator.accumulate`` before the last micro-batch (gradients not yet synchronized), or after a
+    float16 overflow.  What follows an optimizer step (an LR scheduler's, RankAdaptive's) skips then too."""
+    state = getattr(optimizer, "gradient_state", None)
+    if state is not None and not getattr(state, "sync_gradients", True):
+        return True
+    return bool(getattr(optimizer, "step_was_skipped", False))
 
 
 def check_retired(optimizer: torch.optim.Optimizer) -> None:

@@ -684,6 +684,177 @@ def test_transformers_trainer_runs_the_hook_and_cuts_at_the_end(tmp_path):
     assert ra.allocated_ranks() == ra.ranks()  # the final cut removed every switched-off slice
 
 
+def _tiny_llama(transformers):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32))
+    return cc.tensorize(model, rank=6, min_features=32).double()
+
+
+@torch.no_grad()
+def _switch_off_a_slice(ra, before=(1,)):
+    """A slice off on every layer's middle bond, right before ra.step() when ra is at a step in `before`: the
+    check at the next step (cut_every=2, at even steps) cuts it out and re-allocates."""
+    if ra.steps in before:
+        for layer in ra.layers.values():
+            layer.gates[1][0] = 0.0
+
+
+@pytest.mark.parametrize("loop", ["accumulate-2", "compile_step"])
+def test_an_accelerate_loop_trains_as_the_plain_loop_through_a_reallocation(loop):
+    """accelerate's loop as its users write it: ``Accelerator.prepare`` wraps the optimizer and the LR
+    scheduler, RankAdaptive is given the wrapper, and within ``accelerator.accumulate`` (2 micro-batches)
+    ``optimizer.step()``, ``ra.step()`` and ``scheduler.step()`` run after every micro-batch, the wrappers
+    skipping those before the last.  Through a re-allocation, it trains as the plain torch loop that steps
+    once per two micro-batches (float64: losses and parameters to 1e-10).  compile_step given the wrapper
+    (no accumulation) likewise."""
+    transformers = pytest.importorskip("transformers")
+    accelerate = pytest.importorskip("accelerate")
+    accumulate = 2 if loop == "accumulate-2" else 1
+    g = torch.Generator().manual_seed(1)
+    batches = [{"input_ids": torch.randint(0, 96, (4, 16), generator=g)} for _ in range(6 * accumulate)]
+    for b in batches:
+        b["labels"] = b["input_ids"]
+
+    def build():
+        model = _tiny_llama(transformers)
+        opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+        return model, opt, transformers.get_cosine_schedule_with_warmup(opt, 2, 6)
+
+    model, opt, sched = build()   # the reference: torch alone, one step per `accumulate` micro-batches
+    ra = RankAdaptive(model, optimizer=opt, cut_every=2, realloc_at=1.0)
+    expected = []
+    for i in range(0, len(batches), accumulate):
+        losses = [model(**b).loss for b in batches[i:i + accumulate]]
+        (sum(losses) / accumulate).backward()
+        opt.step(); opt.zero_grad()
+        _switch_off_a_slice(ra)
+        ra.step()   # the proximal step at the lr of the step just taken: before the scheduler's
+        sched.step()
+        expected.append(torch.stack(losses).detach())
+    assert ra.cuts == 1   # the re-allocation happened
+
+    acc_model, acc_opt, acc_sched = build()
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=accumulate, cpu=True)
+    acc_model, acc_opt, acc_sched = accelerator.prepare(acc_model, acc_opt, acc_sched)
+    acc_ra = RankAdaptive(acc_model, cut_every=2, realloc_at=1.0)
+    if loop == "compile_step":
+        step = cc.compile_step(acc_model, None, acc_opt, backend="eager", rank_adaptive=acc_ra)
+        got = []
+        acc_opt.optimizer.register_step_post_hook(lambda *_: _switch_off_a_slice(acc_ra))   # before its ra.step
+        for b in batches:
+            got.append(step(**b))
+            acc_sched.step()
+    else:
+        acc_ra.attach(acc_opt)
+        got = []
+        for b in batches:
+            with accelerator.accumulate(acc_model):
+                loss = acc_model(**b).loss
+                accelerator.backward(loss)
+                acc_opt.step(); acc_opt.zero_grad()
+                if accelerator.sync_gradients:
+                    _switch_off_a_slice(acc_ra)
+                acc_ra.step(loss)
+                acc_sched.step()
+            got.append(loss.detach())
+    assert acc_ra.optimizer is acc_opt.optimizer and acc_ra.steps == ra.steps and acc_ra.cuts == 1
+    torch.testing.assert_close(torch.stack(got).reshape(-1), torch.cat(expected), rtol=1e-10, atol=0)
+    for (name, p), q in zip(model.named_parameters(), acc_model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _SwitchOff(ra, transformers, before=(1,)):
+    """A Trainer callback switching a slice off (_switch_off_a_slice); listed before ra's own."""
+    class SwitchOff(transformers.TrainerCallback):
+        def on_step_end(self, *args, **kwargs):
+            _switch_off_a_slice(ra, before)
+    return SwitchOff()
+
+
+def test_load_best_model_at_end_takes_back_the_best_checkpoint_s_weights_and_ranks(tmp_path):
+    """``load_best_model_at_end``: the Trainer loads the best checkpoint's TT weights (step 3) after a later
+    re-allocation (step 4) cut the ranks further; the final cut then works on that checkpoint's ranks and
+    RankAdaptive state, and the model is that checkpoint's (its saved weights, loaded by torch)."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (56, 16), generator=g)]
+    model = _tiny_llama(transformers)
+    ra = RankAdaptive(model, cut_every=2, realloc_at=1.0)
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=6, save_steps=3, eval_strategy="steps", eval_steps=3, per_device_train_batch_size=8,
+        learning_rate=1e-3, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+        greater_is_better=True,   # the higher loss wins: the earlier checkpoint, at the larger ranks
+        report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data[:48], eval_dataset=data[48:],
+                                   callbacks=[_SwitchOff(ra, transformers, before=(1, 3)), ra.trainer_callback()])
+    reallocations = []
+    ra.on_reallocate(lambda ra: reallocations.append(ra.steps))
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-3") and reallocations[:2] == [2, 4]
+
+    def ranks(checkpoint):
+        layout = transformers.AutoConfig.from_pretrained(tmp_path / checkpoint).comera_layout
+        return {name: tuple(e["ranks"]) for name, e in layout.items()}
+
+    assert ranks("checkpoint-6") != ranks("checkpoint-3") == ra.allocated_ranks() == ra.ranks()
+    saved = torch.load(tmp_path / "checkpoint-3" / "comera_model.pt")
+    state = model.state_dict()
+    assert state.keys() == saved.keys()
+    for name, p in saved.items():
+        assert torch.equal(state[name], p), name
+
+
+@pytest.mark.parametrize("optimizer", ["the Trainer's", "param_groups"])
+def test_the_trainer_resumes_a_checkpoint_taken_after_a_reallocation_as_the_run_that_never_stopped(optimizer,
+                                                                                                   tmp_path):
+    """A run that re-allocated at step 2 and saved a checkpoint at step 3 (``save_steps``), resumed from it by
+    ``trainer.train(resume_from_checkpoint=...)`` on a freshly tensorized model (full ranks; with the
+    Trainer's own optimizer, or one built from ``cc.param_groups`` before the Trainer), ends at step 6 where
+    the run that never stopped ends: the same parameters (float64, 1e-10), ranks and RankAdaptive state.
+    Without the RankAdaptive state in the checkpoint, resuming is an error that says what to load."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (48, 16), generator=g)]
+
+    def run(resume=None):
+        model = _tiny_llama(transformers)
+        ra = RankAdaptive(model, cut_every=2, realloc_at=1.0)
+        opts = (torch.optim.AdamW(param_groups(model, lr=1e-3)), None) if optimizer == "param_groups" else (None, None)
+        args = transformers.TrainingArguments(
+            str(tmp_path), max_steps=6, save_steps=3, per_device_train_batch_size=8, learning_rate=1e-3,
+            report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=opts,
+                                       callbacks=[_SwitchOff(ra, transformers), ra.trainer_callback()])
+        trainer.train(resume_from_checkpoint=resume)
+        return model, ra
+
+    straight, ra_straight = run()
+    fresh_ranks = RankAdaptive(_tiny_llama(transformers)).allocated_ranks()
+    saved = transformers.AutoConfig.from_pretrained(tmp_path / "checkpoint-3").comera_layout
+    assert ra_straight.cuts >= 1 and any(tuple(e["ranks"]) != fresh_ranks[n] for n, e in saved.items())
+    resumed, ra_resumed = run(str(tmp_path / "checkpoint-3"))
+    assert ra_resumed.state_dict()["history"] == ra_straight.state_dict()["history"]
+    assert (ra_resumed.steps, ra_resumed.cuts, ra_resumed.allocated_ranks()) == (
+        ra_straight.steps, ra_straight.cuts, ra_straight.allocated_ranks())
+    want = straight.state_dict()
+    for name, p in resumed.state_dict().items():
+        torch.testing.assert_close(p, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+    (tmp_path / "checkpoint-3" / "rank_adaptive.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="resumes at step 3 and RankAdaptive is at step 0, but .*"
+                                                "rank_adaptive.pt does not exist"):
+        run(str(tmp_path / "checkpoint-3"))
+
+
+def test_attaching_something_that_is_no_optimizer_is_an_error():
+    ra = RankAdaptive(_net(4, 4))
+    with pytest.raises(TypeError, match="not a torch.optim.Optimizer and holds none as .optimizer"):
+        ra.attach(object())
+    assert ra.optimizer is None
+
+
 def test_balance_and_rounding_keep_the_function_and_rounding_gives_the_unfoldings_singular_values():
     from comera_compile.gauge import balance, canonicalize
     from comera_compile.tt import full_tensor

@@ -19,7 +19,7 @@ from .. import distributed as _dist
 from ..gauge import balance, canonicalize
 from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
-from ..optim import check_retired, prefer_fast_implementation
+from ..optim import check_retired, prefer_fast_implementation, skipped_step, unwrapped
 from ..optim_state import replace, rescale, restart
 from ..regional import drop_stale_graphs
 from . import cuts
@@ -52,6 +52,11 @@ BALANCE_EVERY = 10
 # Steps after a rounding without the proximal step (at most a tenth of cut_every): the rounding restarts the
 # gates' first moments at zero, and Adam's pull on a gate takes about 1 / (1 - beta1) steps to rebuild.
 REBUILD_STEPS = 10
+
+
+def _learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[int, float]:
+    groups = optimizer.param_groups if optimizer is not None else []
+    return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
 
 
 @dataclass
@@ -123,6 +128,7 @@ class RankAdaptive(Reports):
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
         self.cut_every, self.realloc_at = cut_every, realloc_at
         self.optimizer: torch.optim.Optimizer | None = None
+        self._stepper: Any = None   # the object attached: the optimizer or its wrapper
         if optimizer is not None:
             self.attach(optimizer)
         self.prox_lr, self.share_allocation = float(prox_lr), bool(share_allocation)
@@ -174,12 +180,13 @@ class RankAdaptive(Reports):
 
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores.  It
-        takes its fast implementation (prefer_fast_implementation) and, like every optimizer ever attached,
-        raises at a step while it holds a Parameter a cut retired."""
-        self.optimizer = optimizer
-        prefer_fast_implementation(optimizer)
-        check_retired(optimizer)
+        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in a
+        wrapper such as accelerate's, the torch optimizer inside, and a step the wrapper skipped skips here).
+        It takes its fast implementation and, like every optimizer ever attached, raises at a step while it
+        holds a Parameter a cut retired."""
+        self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
+        prefer_fast_implementation(self.optimizer)
+        check_retired(self.optimizer)
 
     def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
         """Call ``fn(ra)`` after every re-allocation (from ``step()`` or ``cut()``), when the cores are new
@@ -194,10 +201,6 @@ class RankAdaptive(Reports):
 
         return trainer_callback(self)
 
-    def _gate_lrs(self) -> dict[int, float]:
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
-
     @torch.no_grad()
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
         """After optimizer.step(): shrink the gates (proximal step, in the balanced gauge) and advance the
@@ -205,7 +208,9 @@ class RankAdaptive(Reports):
         stage's target and re-allocate when due.  `loss` (this step's task loss, tensor or float) feeds the
         late stage's moving average as ``loss()`` does, so ``loss()`` is needed only for the stage's objective
         value.  Returns True when the cores were re-allocated (new Parameters; ``on_reallocate`` callbacks
-        have run)."""
+        have run).  A step the attached wrapper skipped (accelerate's between accumulation boundaries) is none."""
+        if skipped_step(self._stepper):
+            return False
         if loss is not None and self.late_stage_at is not None:
             self._last_loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.steps += 1
@@ -225,7 +230,7 @@ class RankAdaptive(Reports):
         params = [g for layer in self.layers.values() for g in layer.gates]
         gates = [view.local(g) for g in params]   # the update is elementwise: this process's part
         if shrinking:
-            lrs = self._gate_lrs()
+            lrs = _learning_rates(self.optimizer)
             proximal_step(gates, [self.gamma * lrs.get(id(g), self.prox_lr) for g in params], self.penalty_kind,
                           self.pull_below)
         masks = view.masks(alloc.masks)
