@@ -1,8 +1,9 @@
 """A training step's call as compile_step runs it: its positional and keyword arguments as one flat tuple
 (``pack``), that tuple split into micro-batches along the batch dimension (``split_batch``), each weighed by
-its share of the label tokens where a transformers model computes a token-mean loss (``label_counts``), the
-gradient reduction of DDP and FSDP2 held back until the last micro-batch (``gradient_sync_off``), and the gradients
-kept out of memory a CUDA graph replay reuses between micro-batches (``own_gradients``).  The step itself is
+its share of the label tokens where a transformers model computes a token-mean loss (``label_counts``; of
+every process's tokens under DDP or FSDP2, ``tokens_everywhere``), the gradient reduction of DDP and FSDP2
+held back until the last micro-batch (``gradient_sync_off``), and the gradients kept out of memory a CUDA
+graph replay reuses between micro-batches (``own_gradients``).  The step itself is
 comera_compile.step's; docs/method.md section 7 says why the batch is split inside the call."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
-__all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "gradient_sync_off", "own_gradients"]
+__all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes",
+           "tokens_everywhere", "gradient_sync_off", "own_gradients"]
 
 IGNORE_INDEX = -100   # transformers' label for a position no loss counts
 
@@ -102,6 +104,28 @@ def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch
     (and no gradient) where it has none, whose mean is NaN."""
     share = count.to(loss.dtype) / total.to(loss.dtype)
     return torch.where(count > 0, loss * share, torch.zeros((), dtype=loss.dtype, device=loss.device))
+
+
+def averaging_processes(model: torch.nn.Module) -> int:
+    """How many processes' gradients the model's wrapper averages (DistributedDataParallel's process group,
+    or the default group for FSDP2), else 1."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return dist.get_world_size(model.process_group)
+    return dist.get_world_size() if _fsdp2_modules(model) else 1
+
+
+def tokens_everywhere(tokens: torch.Tensor) -> torch.Tensor:
+    """The label tokens of every process's batch, summed: one all-reduce on the device, nothing read on the
+    host."""
+    import torch.distributed as dist
+
+    total = tokens.clone()
+    dist.all_reduce(total)
+    return total
 
 
 @contextlib.contextmanager

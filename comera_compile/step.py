@@ -14,8 +14,8 @@ import torch
 
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
-from comera_compile.micro_batches import (gradient_sync_off, label_counts, named, own_gradients, pack, split_batch,
-                                          unpack, weigh)
+from comera_compile.micro_batches import (averaging_processes, gradient_sync_off, label_counts, named, own_gradients,
+                                          pack, split_batch, tokens_everywhere, unpack, weigh)
 from comera_compile.regional import compile_blocks
 
 if TYPE_CHECKING:
@@ -131,7 +131,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     so there each micro-batch counts by its share of those (after the causal shift): padded batches too get
     the whole batch's token mean.
     Under DistributedDataParallel or FSDP2 the gradients are reduced once, in the last micro-batch's
-    backward; with cuda_graphs="step" all micro-batches are in the one captured graph."""
+    backward; with cuda_graphs="step" all micro-batches are in the one captured graph.  There such a token
+    mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
+    the gradient of the global batch's token mean, one all-reduce of the counts per call; each process's
+    call returns its own batch's token mean."""
     from comera_compile.optim import FAST_KEY, prefer_fast_implementation
 
     if cuda_graphs not in CUDA_GRAPHS:
@@ -190,27 +193,33 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         prefer_fast_implementation(optimizer)
         opt_step = optimizer.step
 
+    # processes whose gradients DDP or FSDP2 averages: a token-mean loss counts every process's tokens
+    processes = averaging_processes(model) if loss_fn is None else 1
+
     def forward_backward(*args: Any) -> torch.Tensor:
         """The call's loss, its gradients added to .grad: the whole batch at once, or micro-batch by
-        micro-batch."""
-        if micro_batches == 1:
+        micro-batch; where the model's loss is a token mean, each part weighed by its share of the tokens
+        of the batch (of every process's batches, under DDP or FSDP2)."""
+        if micro_batches == 1 and processes == 1:
             loss = fwd(*args)
             loss.backward()
             return loss
-        parts = split_batch(args, micro_batches, lambda i: named(args, i))
+        parts = split_batch(args, micro_batches, lambda i: named(args, i)) if micro_batches > 1 else [(args, 1.0)]
         counts = label_counts(model, [unpack(part)[1] for part, _ in parts]) if loss_fn is None else None
         tokens = torch.stack(counts).sum() if counts is not None else None
+        # averaged over `processes`, each process's gradient counts its tokens against all of theirs
+        everywhere = tokens if tokens is None or processes == 1 else tokens_everywhere(tokens)
         total = None
         for i, (part, share) in enumerate(parts):
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else gradient_sync_off(model):
                 loss = fwd(*part)
-                loss = loss * share if counts is None else weigh(loss, counts[i], tokens)
-                loss.backward()
+                mean = loss * share if counts is None else weigh(loss, counts[i], tokens)   # this process's
+                (mean if everywhere is tokens else weigh(loss, counts[i] * processes, everywhere)).backward()
             if not last and on_cuda and not whole and chosen != "off":
                 # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
                 own_gradients(model, owned)
-            total = loss.detach() if total is None else total + loss.detach()
+            total = mean.detach() if total is None else total + mean.detach()
         return total
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id

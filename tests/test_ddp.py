@@ -223,3 +223,69 @@ def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_pro
     for p, q in zip(a, single):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7
     torch._dynamo.reset()
+
+
+def _padded_llama_batches() -> list[dict[str, torch.Tensor]]:
+    """STEPS batches of 8 rows, each row padded after its own length (-100 labels, mask 0): the first four
+    rows are short, so the first process's half holds far fewer label tokens than the second's."""
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(STEPS):
+        ids = torch.randint(1, 96, (8, 16), generator=g)
+        lengths = torch.tensor([3, 2, 5, 4, 16, 15, 16, 12])
+        mask = (torch.arange(16) < lengths[:, None]).long()
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return batches
+
+
+def _llama() -> nn.Module:
+    import transformers
+
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32))
+    return cc.tensorize(model, rank=6, min_features=32).double()
+
+
+def _token_mean_worker(rank: int, world: int, port: int, out: str, micro_batches: int) -> None:
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        ddp = nn.parallel.DistributedDataParallel(_llama())
+        step = cc.compile_step(ddp, None, torch.optim.SGD(ddp.parameters(), lr=0.5), backend="eager",
+                               micro_batches=micro_batches)
+        per = 8 // world
+        losses = [step(**{k: v[rank * per:(rank + 1) * per] for k, v in batch.items()})
+                  for batch in _padded_llama_batches()]
+        torch.save({"params": [p.detach() for p in ddp.module.parameters()], "losses": losses}, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_token_mean(micro_batches, tmp_path):
+    """A transformers model computing its own token-mean loss, under DDP in two processes whose halves of each
+    padded batch hold different numbers of label tokens (12 against 55): compile_step (at 1 and 2
+    micro-batches) counts every process's tokens, as the transformers Trainer does, so both processes end
+    with the parameters of one process's eager SGD steps on the whole batch, and each process's call returns
+    its own half's token mean (1e-6: transformers computes the loss in float32 even for a float64 model).  The
+    mean of the two halves' token means, DDP's plain average, is another gradient."""
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "tokens")
+    mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches), nprocs=2, join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    model = _llama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step, batch in enumerate(_padded_llama_batches()):
+        for r, half in enumerate((slice(0, 4), slice(4, 8))):
+            with torch.no_grad():
+                want = model(**{k: v[half] for k, v in batch.items()}).loss
+            torch.testing.assert_close(results[r]["losses"][step], want, rtol=1e-6, atol=0)
+        model(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        for p, q in zip(results[r]["params"], model.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
