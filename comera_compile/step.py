@@ -207,15 +207,16 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         parts = split_batch(args, micro_batches, lambda i: named(args, i)) if micro_batches > 1 else [(args, 1.0)]
         counts = label_counts(model, [unpack(part)[1] for part, _ in parts]) if loss_fn is None else None
         tokens = torch.stack(counts).sum() if counts is not None else None
-        # averaged over `processes`, each process's gradient counts its tokens against all of theirs
-        everywhere = tokens if tokens is None or processes == 1 else tokens_everywhere(tokens)
+        # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
+        spread = tokens is not None and processes > 1
+        everywhere = tokens_everywhere(tokens) if spread else None
         total = None
         for i, (part, share) in enumerate(parts):
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else gradient_sync_off(model):
                 loss = fwd(*part)
                 mean = loss * share if counts is None else weigh(loss, counts[i], tokens)   # this process's
-                (mean if everywhere is tokens else weigh(loss, counts[i] * processes, everywhere)).backward()
+                (weigh(loss, counts[i] * processes, everywhere) if spread else mean).backward()
             if not last and on_cuda and not whole and chosen != "off":
                 # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
                 own_gradients(model, owned)
