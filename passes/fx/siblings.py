@@ -1,0 +1,383 @@
+"""TT layers that read the same input, contracted together: fewer and larger GEMMs.
+
+Attention's q, k and v projections read one activation, and so do an MLP's gate and up projections.
+Tensorized, each starts with a GEMM of that activation against a matrix made from its own cores
+(``x @ L_i``), then multiplies the result by a second core-made matrix (``(x @ L_i) @ R_i``).  On a GPU
+these are small GEMMs whose launch and tail cost as much as their arithmetic (docs/method.md, section 7).
+``batch_siblings(gm)`` rewrites dynamo's graph, in place:
+
+- matmuls of one activation (the same node, or reshapes of it to the same shape) by 2-D right-hand sides
+  with as many rows become one matmul against the right-hand sides side by side (``x @ [L_1 ... L_G]``),
+  whose column blocks replace the products; the backward then computes x's gradient and the cores'
+  in one GEMM each instead of G;
+- where each of those column blocks, all of one width, is then multiplied by a right-hand side of one
+  shape (with or without a bias), the G products become one batched GEMM over a view of the first result.
+
+Values are unchanged (the same products, grouped); only pure computations of the right-hand sides move
+earlier in the graph, never across a change of grad mode or autocast or an in-place op.  Graphs with
+symbolic shapes, and nodes without recorded fake values, are left alone.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.fx
+
+from comera_compile.passes import GraphPassResult, node_value
+
+__all__ = ["batch_siblings"]
+
+_MATMULS = (torch.matmul, operator.matmul)
+_VIEW_METHODS = ("reshape", "view", "contiguous")
+_QUIET = (torch._C._log_api_usage_once,)
+
+
+def _static_shape(node: object) -> tuple[int, ...] | None:
+    val = node_value(node)
+    if val is None or not all(type(s) is int for s in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return ((node.op == "call_method" and node.target in _VIEW_METHODS)
+            or (node.op == "call_function" and node.target is torch.reshape))
+
+
+def _layout_step(node: torch.fx.Node) -> tuple | None:
+    """A reshape or permutation of one tensor as (kind, constant): ("shape", shape) or ("permute", dims)."""
+    if _is_view(node):
+        shape = _static_shape(node)
+        return None if shape is None else ("shape", shape)
+    if node.op == "call_method" and node.target in ("permute", "transpose") or (
+            node.op == "call_function" and node.target in (torch.permute, torch.transpose)):
+        rest = node.args[1:]
+        if node.kwargs or not all(isinstance(a, (int, tuple, list)) for a in rest):
+            return None
+        flat = tuple(rest[0]) if len(rest) == 1 and isinstance(rest[0], (tuple, list)) else tuple(rest)
+        return (str(node.target if isinstance(node.target, str) else node.target.__name__), flat)
+    return None
+
+
+def _source(node: torch.fx.Node) -> tuple[torch.fx.Node, tuple]:
+    """The tensor a chain of reshapes and permutations starts from, and the chain as constants (runs of
+    reshapes as their last shape): two chains with equal keys from one tensor compute equal values."""
+    steps = []
+    while isinstance(node.args[0] if node.args else None, torch.fx.Node) and (step := _layout_step(node)):
+        steps.append(step)
+        node = node.args[0]
+    key: list[tuple] = []
+    for step in reversed(steps):
+        if key and step[0] == "shape" and key[-1][0] == "shape":
+            key[-1] = step
+        else:
+            key.append(step)
+    return node, tuple(key)
+
+
+def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None] | None:
+    """(left, right, bias) of a 2-D matmul or addmm with static shapes; None for anything else."""
+    if node.op != "call_function" or node.kwargs:
+        return None
+    if node.target in _MATMULS and len(node.args) == 2:
+        (a, b), bias = node.args, None
+    elif node.target is torch.addmm and len(node.args) == 3:
+        bias, a, b = node.args
+    else:
+        return None
+    if not all(isinstance(n, torch.fx.Node) for n in (a, b)):
+        return None
+    sa, sb = _static_shape(a), _static_shape(b)
+    if sa is None or sb is None or len(sa) != 2 or len(sb) != 2 or sa[1] != sb[0]:
+        return None
+    if bias is not None and (_static_shape(bias) != (sb[1],)):
+        return None
+    return a, b, bias
+
+
+def _is_boundary(node: torch.fx.Node) -> bool:
+    """A node nothing may move across: a grad-mode or autocast switch, an assertion, an in-place op, a
+    module call."""
+    if node.op == "call_module":   # a module dynamo did not inline may change any state
+        return True
+    if node.op not in ("call_function", "call_method") or node.target in _QUIET:
+        return False
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    return (node.is_impure() or (name.endswith("_") and not name.startswith("__"))
+            or node.target is operator.setitem)
+
+
+class _Graph:
+    """The graph's order and its segments between boundaries, kept while nodes move."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.renumber()
+
+    def renumber(self) -> None:
+        self.order: dict[torch.fx.Node, int] = {}
+        self.segment: dict[torch.fx.Node, int] = {}
+        seg = 0
+        for i, node in enumerate(self.graph.nodes):
+            if _is_boundary(node):
+                seg += 1
+            self.order[node] = i
+            self.segment[node] = seg
+
+    def hoist(self, needed: Iterable[torch.fx.Node], before: torch.fx.Node, forbidden: set[torch.fx.Node]) -> bool:
+        """Move the pure computations `needed` depends on that come after `before` to just before it, in
+        their order; False (nothing moved) where one is forbidden, impure or in another segment."""
+        cone: set[torch.fx.Node] = set()
+        stack = [n for n in needed if self.order[n] > self.order[before]]
+        while stack:
+            node = stack.pop()
+            if node in cone:
+                continue
+            if (node in forbidden or node.op not in ("get_attr", "call_function", "call_method")
+                    or _is_boundary(node) or self.segment[node] != self.segment[before]):
+                return False
+            cone.add(node)
+            stack.extend(n for n in node.all_input_nodes if self.order[n] > self.order[before])
+        for node in sorted(cone, key=self.order.__getitem__):
+            before.prepend(node)
+        if cone:
+            self.renumber()
+        return True
+
+
+def _values(arg: Any) -> Any:
+    """A node's fake value, through lists and tuples; anything else as it is."""
+    if isinstance(arg, torch.fx.Node):
+        return node_value(arg)
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_values(a) for a in arg)
+    return arg
+
+
+def _emit(g: _Graph, fn: Any, args: tuple, meta_from: torch.fx.Node) -> torch.fx.Node:
+    """A new call of fn, its fake value computed (dynamo's graphs carry one on every node) and its source
+    taken from meta_from."""
+    node = g.graph.call_function(fn, args)
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if key in meta_from.meta:
+            node.meta[key] = meta_from.meta[key]
+    values = _values(args)
+    modes = {getattr(v, "fake_mode", None) for v in torch.utils._pytree.tree_leaves(values)
+             if isinstance(v, torch.Tensor)}
+    if len(modes) == 1 and None not in modes:
+        with modes.pop():
+            node.meta["example_value"] = fn(*values)
+    return node
+
+
+def _erase_dead(g: _Graph, nodes: Sequence[torch.fx.Node]) -> None:
+    stack = list(nodes)
+    while stack:
+        node = stack.pop()
+        if node.users or node.graph is not g.graph or node.op in ("placeholder", "output") or _is_boundary(node):
+            continue
+        inputs = node.all_input_nodes
+        g.graph.erase_node(node)
+        stack.extend(inputs)
+
+
+def _share_left(g: _Graph, members: list[torch.fx.Node]) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """One matmul of the members' common left side by their right sides side by side; its column blocks
+    replace the members.  None (graph unchanged) where the right sides cannot all be computed first."""
+    members = sorted(members, key=g.order.__getitem__)
+    first = members[0]
+    left = first.args[0]
+    rights = [m.args[1] for m in members]
+    if any(g.segment[m] != g.segment[first] for m in members) or not g.hoist(rights, first, set(members)):
+        return None
+    with g.graph.inserting_before(first):
+        side_by_side = _emit(g, torch.cat, (rights, 1), first)
+        product = _emit(g, torch.matmul, (left, side_by_side), first)
+        blocks, offset = [], 0
+        for member, right in zip(members, rights):
+            width = _static_shape(right)[1]
+            blocks.append(_emit(g, operator.getitem, (product, (slice(None), slice(offset, offset + width))), member))
+            offset += width
+    for member, block in zip(members, blocks):
+        old_left = member.args[0]
+        member.replace_all_uses_with(block)
+        g.graph.erase_node(member)
+        _erase_dead(g, [old_left])
+    g.renumber()
+    return product, blocks
+
+
+def _next_products(blocks: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The product each column block feeds as its left side (through reshapes that are its only users)."""
+    products = []
+    for block in blocks:
+        node = block
+        while len(node.users) == 1 and _is_view(next(iter(node.users))):
+            node = next(iter(node.users))
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        product = _product(users[0])
+        if product is None or product[0] is not node or _static_shape(node) != _static_shape(block):
+            return None
+        products.append(users[0])
+    return products
+
+
+def _batch_next(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.Node]) -> bool:
+    """The blocks' next products as one batched GEMM over a (G, rows, width) view of the first product."""
+    rows, width = _static_shape(blocks[0])
+    if any(_static_shape(b) != (rows, width) for b in blocks):
+        return False
+    products = _next_products(blocks)
+    if products is None:
+        return False
+    parts = [_product(p) for p in products]
+    rights = [r for _, r, _ in parts]
+    biases = [b for _, _, b in parts]
+    if (len({(_static_shape(r), node_value(r).dtype) for r in rights}) != 1
+            or (any(b is None for b in biases) and any(b is not None for b in biases))
+            or (biases[0] is not None and len({node_value(b).dtype for b in biases}) != 1)):
+        return False
+    first = min(products, key=g.order.__getitem__)   # products stay in the blocks' (column) order
+    needed = rights + [b for b in biases if b is not None]
+    if any(g.segment[p] != g.segment[first] for p in products) or not g.hoist(needed, first, set(products)):
+        return False
+    with g.graph.inserting_before(first):
+        view = _emit(g, torch.reshape, (first_product, (rows, len(blocks), width)), first)
+        left = _emit(g, torch.permute, (view, (1, 0, 2)), first)
+        stacked = _emit(g, torch.stack, (rights,), first)
+        if biases[0] is None:
+            batched = _emit(g, torch.bmm, (left, stacked), first)
+        else:
+            bias = _emit(g, torch.unsqueeze, (_emit(g, torch.stack, (biases,), first), 1), first)
+            batched = _emit(g, torch.baddbmm, (bias, left, stacked), first)
+        outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(products)]
+    for product, output in zip(products, outputs):
+        old_left = product.args[1] if product.target is torch.addmm else product.args[0]
+        product.replace_all_uses_with(output)
+        g.graph.erase_node(product)
+        _erase_dead(g, [old_left])
+    g.renumber()
+    return True
+
+
+def _depends_on(g: _Graph, root: torch.fx.Node) -> set[torch.fx.Node]:
+    """Every node whose value is computed from root's (one pass in graph order)."""
+    found = {root}
+    for node in g.graph.nodes:
+        if g.order[node] > g.order[root] and any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _core_products(g: _Graph, layers: list[str], activation: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
+    """Each layer's matmuls that the activation does not reach (products of its cores), in graph order."""
+    from comera_compile.layers import TTLayer
+    from comera_compile.logs import _owner
+
+    products: dict[str, list[torch.fx.Node]] = {layer: [] for layer in layers}
+    for node in g.graph.nodes:
+        if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs:
+            continue
+        owner = _owner(node, TTLayer)
+        if owner is None or owner[0] not in products or node in activation:
+            continue
+        products[owner[0]].append(node)
+    return list(products.values())
+
+
+def _layers(members: list[torch.fx.Node]) -> list[str] | None:
+    """The TT layers the products belong to, one each; None unless they are distinct TT layers."""
+    from comera_compile.layers import TTLayer
+    from comera_compile.logs import _owner
+
+    owners = [_owner(m, TTLayer) for m in members]
+    if any(o is None for o in owners) or len({o[0] for o in owners}) != len(owners):
+        return None
+    return [o[0] for o in owners]
+
+
+def _stack(g: _Graph, parts: list[torch.fx.Node], meta_from: torch.fx.Node) -> torch.fx.Node:
+    """torch.stack(parts); a reshape instead where part i is a reshape of batched[i] for one batched result
+    (a chain of batched products then stays batched, with no copy between its steps)."""
+    sources = []
+    for i, part in enumerate(parts):
+        node = part
+        while _is_view(node):
+            node = node.args[0]
+        if not (node.op == "call_function" and node.target is operator.getitem and node.args[1] == i):
+            break
+        sources.append(node.args[0])
+    shape = _static_shape(parts[0])
+    if (len(sources) == len(parts) and len(set(sources)) == 1 and shape is not None
+            and _static_shape(sources[0]) is not None and _static_shape(sources[0])[0] == len(parts)
+            and all(_static_shape(p) == shape for p in parts)):
+        return _emit(g, torch.reshape, (sources[0], (len(parts), *shape)), meta_from)
+    return _emit(g, torch.stack, (parts,), meta_from)
+
+
+def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
+    """The sibling layers' core products, position by position where their shapes agree, as one batched
+    matmul each over stacked operands; how many batched matmuls replaced products."""
+    per_layer = _core_products(g, layers, _depends_on(g, root))
+    if len({len(p) for p in per_layer}) != 1:
+        return 0
+    count = 0
+    for batch in zip(*per_layer):
+        signature = {tuple((_static_shape(a), getattr(node_value(a), "dtype", None)) for a in p.args) for p in batch}
+        (sig,) = signature if len(signature) == 1 else (None,)
+        if sig is None or any(shape is None or len(shape) < 2 for shape, _ in sig):
+            continue
+        first = min(batch, key=g.order.__getitem__)
+        operands = [a for p in batch for a in p.args]
+        if any(g.segment[p] != g.segment[first] for p in batch) or not g.hoist(operands, first, set(batch)):
+            continue
+        with g.graph.inserting_before(first):
+            lefts = _stack(g, [p.args[0] for p in batch], first)
+            rights = _stack(g, [p.args[1] for p in batch], first)
+            batched = _emit(g, torch.matmul, (lefts, rights), first)
+            outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(batch)]
+        for product, output in zip(batch, outputs):
+            old = list(product.args)
+            product.replace_all_uses_with(output)
+            g.graph.erase_node(product)
+            _erase_dead(g, old)
+        g.renumber()
+        count += 1
+    return count
+
+
+def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
+    """Contract products of one activation together (module docstring), in place; the count is how many
+    groups of products share a GEMM (example_inputs is accepted, as by every fx pass, and not needed: the
+    pass reads the fake values dynamo records, and leaves a graph without them alone)."""
+    g = _Graph(gm)
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for node in gm.graph.nodes:
+        product = _product(node)
+        if product is None or product[2] is not None:
+            continue
+        left, right, _ = product
+        lv, rv = node_value(left), node_value(right)
+        groups.setdefault((*_source(left), _static_shape(left), lv.dtype, rv.dtype, lv.device), []).append(node)
+    count = 0
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        root, layers = _source(members[0].args[0])[0], _layers(members)
+        shared = _share_left(g, members)
+        if shared is None:
+            continue
+        count += 1
+        _batch_next(g, *shared)
+        if layers is not None:
+            _batch_cores(g, layers, root)
+    if count:
+        gm.graph.lint()
+        gm.recompile()
+    return GraphPassResult(gm, count)

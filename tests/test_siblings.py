@@ -1,0 +1,250 @@
+"""passes.fx.siblings: TT layers that read one input share their GEMMs.  The rewritten graph, run eagerly on
+dynamo's capture, against the dense products (x @ W.T + b, W from the cores) and against eager autograd
+through the layers as written; a transformers Llama through the whole backend; and the places nothing may
+move across."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.backend import batches_siblings
+from comera_compile.layers import TTLinear
+from comera_compile.passes.fx.siblings import batch_siblings
+
+pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
+
+_PRODUCTS = {torch.matmul, torch.bmm, torch.baddbmm, torch.addmm}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Siblings(nn.Module):
+    """TT linear layers that all read the module's input; each output scaled by a fixed weight."""
+
+    def __init__(self, in_features: int, widths: list[int], rank: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.layers = nn.ModuleList(TTLinear(in_features, w, bias=bias, rank=rank, dtype=dtype) for w in widths)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [layer(x) for layer in self.layers]
+
+
+def _products(gm: torch.fx.GraphModule) -> int:
+    import operator
+
+    return sum(n.op == "call_function" and n.target in (_PRODUCTS | {operator.matmul}) for n in gm.graph.nodes)
+
+
+def _rewritten(model: nn.Module, dynamic: bool = False):
+    """model compiled with a backend that runs only batch_siblings and then the graph eagerly; the pass's
+    result and the product counts before and after."""
+    seen = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        seen["before"] = _products(gm)
+        seen["result"] = batch_siblings(gm, example_inputs)
+        seen["after"] = _products(gm)
+        return gm.forward
+
+    return torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic), seen
+
+
+def _perturb(model: nn.Module, seed: int) -> None:
+    """Gates off 1 and biases off 0, so that every factor shows in the products."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "gates" in name or name.endswith("bias"):
+                p.add_(torch.rand(p.shape, generator=g, dtype=p.dtype))
+
+
+@settings(max_examples=12, deadline=None)
+@given(count=st.integers(2, 4), in_features=st.sampled_from([24, 36]), widths=st.lists(st.sampled_from([16, 24, 36]),
+       min_size=4, max_size=4), equal=st.booleans(), rank=st.integers(2, 6), bias=st.booleans(),
+       rows=st.sampled_from([1, 5, 12]), dtype=st.sampled_from([torch.float64, torch.float32]))
+def test_siblings_share_their_gemms_and_compute_the_dense_products_and_eager_gradients(
+        count, in_features, widths, equal, rank, bias, rows, dtype):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    widths = [widths[0]] * count if equal else widths[:count]
+    model = Siblings(in_features, widths, rank, bias, dtype)
+    _perturb(model, 1)
+    x = torch.randn(rows, 3, in_features, dtype=dtype, requires_grad=True)
+    weights = [torch.randn(rows, 3, w, dtype=dtype) for w in widths]
+
+    compiled, seen = _rewritten(model)
+    outs = compiled(x)
+    assert seen["result"].count == 1, "the siblings' first products share one GEMM"
+    assert seen["after"] < seen["before"]
+    eps = 1e-11 if dtype == torch.float64 else 1e-5
+
+    def close(got, want):   # to the arithmetic's precision, relative to the tensor's scale
+        torch.testing.assert_close(got, want, rtol=eps, atol=eps * float(want.detach().abs().max()))
+
+    for layer, out in zip(model.layers, outs):   # against the dense product of the layer's weight
+        dense = x.detach().double() @ layer.to_dense().double().t()
+        if layer.bias is not None:
+            dense = dense + layer.bias.detach().double()
+        close(out.detach().double(), dense)
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    sum((layer(x) * w).sum() for layer, w in zip(model.layers, weights)).backward()   # eager, as written
+    want = [x.grad] + [p.grad for p in model.parameters()]
+    for a, b in zip(got, want):
+        close(a, b)
+
+
+def test_equal_siblings_with_biases_share_every_product_and_inductor_compiles_them():
+    torch.manual_seed(0)
+    model = Siblings(144, [144, 144, 144], 6, True, torch.float64)
+    _perturb(model, 3)
+    x = torch.randn(2, 128, 144, dtype=torch.float64)
+    steps = [s.per_row for s in model.layers[0].plan(256).steps]
+    assert steps == [False] * 4 + [True] * 2   # at these shapes: the cores' products, then two per x's rows
+    compiled, seen = _rewritten(model)
+    outs = compiled(x)
+    # Shared: one GEMM of x, one batched GEMM (with the biases) for the three second steps, one batched
+    # matmul per position of the cores' products: one layer's count of products for all three.
+    assert seen["before"] == 3 * len(steps) and seen["after"] == len(steps)
+    for layer, out in zip(model.layers, outs):
+        torch.testing.assert_close(out, x @ layer.to_dense().t() + layer.bias.detach(), rtol=1e-11, atol=1e-11)
+    # The backend, through Inductor: the products and the gradients of eager autograd through the layers.
+    weights = [torch.randn(2, 128, 144, dtype=torch.float64) for _ in outs]
+    x.requires_grad_(True)
+    torch._dynamo.reset()
+    inductor = torch.compile(model, backend="comera", options={"batch_siblings": True}, fullgraph=True)
+    outs = inductor(x)
+    sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    sum((layer(x) * w).sum() for layer, w in zip(model.layers, weights)).backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
+
+
+def _llama(layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=144, intermediate_size=288, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+    model = cc.tensorize(LlamaForCausalLM(cfg), rank=6).double()
+    _perturb(model, 2)
+    return model
+
+
+def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eager():
+    model = _llama()
+    ids = torch.randint(0, 96, (2, 64))
+
+    def loss_of(m):
+        logits = m(input_ids=ids).logits
+        return F.cross_entropy(logits[:, :-1].reshape(-1, 96), ids[:, 1:].reshape(-1))
+
+    (report,) = cc.rewritten_graphs(model, input_ids=ids)   # on CPU by default without the pass
+    assert "batch_siblings" not in report.passes
+    steps = {layer.layer: len(layer.steps) for layer in report.layers}
+    compiled, seen = _rewritten(model)
+    compiled(input_ids=ids)
+    assert seen["result"].count == 4   # q/k/v and gate/up, in each of the 2 layers
+    # Every product of k and v is shared with q's, and every product of up with gate's.
+    shared = sum(2 * steps[f"model.layers.{i}.self_attn.q_proj"] + steps[f"model.layers.{i}.mlp.gate_proj"]
+                 for i in range(2))
+    assert seen["after"] == seen["before"] - shared
+
+    eager = loss_of(model)
+    eager.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    # The rewritten graph, run eagerly: the same loss and gradients to float64's precision.
+    got = loss_of(compiled)
+    got.backward()
+    torch.testing.assert_close(got, eager, rtol=1e-12, atol=0)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12 * float(want[n].abs().max()), msg=n)
+    # Through Inductor, which computes Llama's rotary tables in float32 (1e-4 from eager at the keys'
+    # small gradients, with or without the pass): the same training signal.
+    torch._dynamo.reset()
+    model.zero_grad(set_to_none=True)
+    loss_of(torch.compile(model, backend="comera", options={"batch_siblings": True})).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=1e-3 * float(want[n].abs().max()), msg=n)
+
+
+class _Boundary(nn.Module):
+    """Two siblings with a grad-mode switch or an in-place update of their input between them."""
+
+    def __init__(self, between: str) -> None:
+        super().__init__()
+        self.q = TTLinear(24, 24, rank=4, dtype=torch.float64)
+        self.k = TTLinear(24, 24, rank=4, dtype=torch.float64)
+        self.between = between
+
+    def forward(self, x: torch.Tensor):
+        h = x * 1.0
+        a = self.q(h)
+        if self.between == "no_grad":
+            with torch.no_grad():
+                b = self.k(h)
+        else:
+            h.mul_(2.0)
+            b = self.k(h)
+        return a, b
+
+
+@pytest.mark.parametrize("between", ["no_grad", "in_place"])
+def test_nothing_is_shared_across_a_grad_mode_switch_or_an_in_place_update(between):
+    torch.manual_seed(0)
+    model = _Boundary(between)
+    x = torch.randn(5, 24, dtype=torch.float64)
+    compiled, seen = _rewritten(model)
+    a, b = compiled(x)
+    assert seen["result"].count == 0
+    scale = 2.0 if between == "in_place" else 1.0
+    torch.testing.assert_close(b, model.k(x * scale), rtol=1e-12, atol=1e-12)
+    assert b.requires_grad == (between == "in_place") and a.requires_grad
+
+
+def test_symbolic_shapes_are_left_alone():
+    torch.manual_seed(0)
+    model = Siblings(24, [24, 24], 4, False, torch.float64)
+    compiled, seen = _rewritten(model, dynamic=True)
+    outs = compiled(torch.randn(7, 24, dtype=torch.float64))
+    assert seen["result"].count == 0 and len(outs) == 2
+
+
+def test_the_option_is_on_for_cuda_inputs_by_default_and_off_with_profiling_or_tempo():
+    assert batches_siblings(None, {"cuda"}) and not batches_siblings(None, {"cpu"})
+    assert batches_siblings({"batch_siblings": True}, {"cpu"})
+    assert not batches_siblings({"batch_siblings": False}, {"cuda"})
+    assert not batches_siblings({"batch_siblings": True, "profile": True}, {"cuda"})
+    assert not batches_siblings({"batch_siblings": True, "memory": True}, {"cpu"})
+    with pytest.raises(TypeError, match="batch_siblings"):
+        batches_siblings({"batch_siblings": 1}, {"cpu"})
+
+
+def test_under_bf16_autocast_the_shared_gemms_run_in_bf16_as_eager_autocast_does():
+    torch.manual_seed(0)
+    model = Siblings(144, [144, 144, 144], 6, True, torch.float32)
+    _perturb(model, 3)
+    x = torch.randn(2, 128, 144)
+    compiled = torch.compile(model, backend="comera", options={"batch_siblings": True}, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = model(x), compiled(x)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * float(b.float().abs().max()))
