@@ -9,9 +9,8 @@ bfloat16 autocast.  Variants, all in one process:
 - GaLore (dense + GaLore's AdamW, rank 128 projections of the encoder weights), eager;
 - CoMERA: tensorized, cc.compile_step with backend "comera": per-block graphs (cuda_graphs="compiled": each
   compiled block replayed by Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step
-  one CUDA graph ("step"; again with Inductor's combo kernels, independent small kernels launched as one),
-  CUDA Graphs off, and per-block with every TT linear contracted in the reference implementation's fixed
-  order; on CUDA also the whole step compiled as one function with its backward traced by compiled autograd
+  one CUDA graph ("step"; again with Inductor's combo kernels; again with batch_siblings off), CUDA Graphs
+  off, and per-block with every TT linear contracted in the reference implementation's fixed order; on CUDA also the whole step compiled as one function with its backward traced by compiled autograd
   (common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
 A variant whose first call fails is reported in the row ("<variant> error") and left out.  First, each
 variant alone: its first call (compiles included) and its peak device memory over its first three steps
@@ -158,9 +157,11 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         opt = adamw(m)
         out["CoMERA, compiled autograd"] = (m, opt, compiled_autograd_step(m, loss_fn, opt, dtype))
     combo = {"inductor": {"combo_kernels": True}}   # Inductor's horizontal fusion of independent kernels
+    apart = {"batch_siblings": False}   # each TT layer's GEMMs its own (the default on CPU)
     for name, backend, graphs, options in (("CoMERA", "comera", "compiled", None),
                                            ("CoMERA, whole-step graph", "comera", "step", None),
                                            ("CoMERA, whole-step graph, combo kernels", "comera", "step", combo),
+                                           ("CoMERA, whole-step graph, siblings apart", "comera", "step", apart),
                                            ("CoMERA, CUDA Graphs off", "comera", "off", None),
                                            ("CoMERA, fixed order", _comera_fixed_order, "compiled", None)):
         if graphs != "compiled" and not cuda:
@@ -226,6 +227,8 @@ def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_
                                  "CoMERA, whole-step graph"),
                                 ("whole-step graph, combo kernels vs without", "CoMERA, whole-step graph",
                                  "CoMERA, whole-step graph, combo kernels"),
+                                ("whole-step graph, siblings shared vs apart",
+                                 "CoMERA, whole-step graph, siblings apart", "CoMERA, whole-step graph"),
                                 ("per-block graphs vs graphs off", "CoMERA, CUDA Graphs off", "CoMERA"),
                                 ("fixed order vs ours", "CoMERA, fixed order", "CoMERA")):
         if slower in ms and faster in ms:

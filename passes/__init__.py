@@ -7,7 +7,7 @@ Each kind has one signature:
 - ``passes.fx``: a torch.fx GraphModule -- a torch.fx trace, or dynamo's graph whose nodes carry fake values
   -- rewritten in place: ``pass(gm, example_inputs=None, **options) -> GraphPassResult``, torch.fx's
   PassResult (graph_module, modified) with the number of rewritten sites: ``expand_contractions``,
-  ``tempo_graph``, ``fast_dropout``, ``materialize_int_casts``.
+  ``tempo_graph``, ``fast_dropout``, ``materialize_int_casts``, ``batch_siblings``.
 - ``passes.joint``: Inductor's joint forward + backward graph (a torch.fx.Graph), as Inductor's
   ``joint_custom_pre_pass`` calls it: ``pass(graph) -> int`` (sites tagged), with a CustomGraphPass
   wrapper: ``recompute_hash_masks`` / ``RecomputeHashMasks``.
