@@ -6,16 +6,18 @@ Tensorized, each starts with a GEMM of that activation against a matrix made fro
 these are small GEMMs whose launch and tail cost as much as their arithmetic (docs/method.md, section 7).
 ``batch_siblings(gm)`` rewrites dynamo's graph, in place:
 
-- matmuls of one activation (the same node, or reshapes of it to the same shape) by 2-D right-hand sides
-  with as many rows become one matmul against the right-hand sides side by side (``x @ [L_1 ... L_G]``),
+- matmuls of one activation (the same node, reached through the same reshapes and permutations) by 2-D
+  right-hand sides become one matmul against the right-hand sides side by side (``x @ [L_1 ... L_G]``),
   whose column blocks replace the products; the backward then computes x's gradient and the cores'
   in one GEMM each instead of G;
 - where each of those column blocks, all of one width, is then multiplied by a right-hand side of one
-  shape (with or without a bias), the G products become one batched GEMM over a view of the first result.
+  shape (with or without a bias), the G products become one batched GEMM over a view of the first result;
+- the sibling layers' products of their cores, position by position where the shapes agree, become one
+  batched matmul each over stacked operands.
 
 Values are unchanged (the same products, grouped); only pure computations of the right-hand sides move
-earlier in the graph, never across a change of grad mode or autocast or an in-place op.  Graphs with
-symbolic shapes, and nodes without recorded fake values, are left alone.
+earlier in the graph, never across a change of grad mode or autocast, an in-place op or a module call.
+Graphs with symbolic shapes, and nodes without recorded fake values, are left alone.
 """
 
 from __future__ import annotations
@@ -175,10 +177,12 @@ def _emit(g: _Graph, fn: Any, args: tuple, meta_from: torch.fx.Node) -> torch.fx
 
 
 def _erase_dead(g: _Graph, nodes: Sequence[torch.fx.Node]) -> None:
+    """Erase the nodes no one reads any more, and then their inputs that no one reads."""
     stack = list(nodes)
     while stack:
         node = stack.pop()
-        if node.users or node.graph is not g.graph or node.op in ("placeholder", "output") or _is_boundary(node):
+        if (getattr(node, "_erased", False) or node.users or node.op in ("placeholder", "output")
+                or _is_boundary(node)):
             continue
         inputs = node.all_input_nodes
         g.graph.erase_node(node)
@@ -329,9 +333,9 @@ def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
         return 0
     count = 0
     for batch in zip(*per_layer):
-        signature = {tuple((_static_shape(a), getattr(node_value(a), "dtype", None)) for a in p.args) for p in batch}
-        (sig,) = signature if len(signature) == 1 else (None,)
-        if sig is None or any(shape is None or len(shape) < 2 for shape, _ in sig):
+        operand_kinds = {tuple((_static_shape(a), getattr(node_value(a), "dtype", None)) for a in p.args)
+                         for p in batch}
+        if len(operand_kinds) != 1 or any(shape is None or len(shape) < 2 for shape, _ in operand_kinds.pop()):
             continue
         first = min(batch, key=g.order.__getitem__)
         operands = [a for p in batch for a in p.args]
