@@ -248,3 +248,86 @@ def test_under_bf16_autocast_the_shared_gemms_run_in_bf16_as_eager_autocast_does
     for a, b in zip(got, want):
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2 * float(b.float().abs().max()))
+
+
+class _GLUBlock(nn.Module):
+    """A gated MLP block: gate and up read the block's input (siblings), down reads their product."""
+
+    def __init__(self, width: int = 144) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, 2 * width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class _GLUNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 144)
+        self.blocks = nn.ModuleList(_GLUBlock() for _ in range(2))
+        self.head = nn.Linear(144, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_cut(monkeypatch):
+    """compile_step's whole-step graph (its capture simulated on the CPU), the backend sharing the siblings'
+    GEMMs as it does on CUDA by default, a rank cut at step 4 (the siblings' ranks then differ, and the
+    graphs recompile): the eager loop's losses, step for step."""
+    from comera_compile import graphs
+    from comera_compile.optim import param_groups
+    from helpers import SimulatedGraphs
+
+    import comera_compile.passes.fx.siblings as siblings
+
+    shared = []
+    original = siblings.batch_siblings
+    monkeypatch.setattr(siblings, "batch_siblings", lambda gm, inputs=None: shared.append(original(gm, inputs))
+                        or shared[-1])
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(128, 16, generator=g), torch.randint(0, 5, (128,), generator=g)) for _ in range(8)]
+
+    def run(captured: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = cc.tensorize(_GLUNet(), rank=6, min_features=16)
+        groups = param_groups(model, lr=1e-3)
+        for group in groups:   # the gates held still, so that a slice set to zero stays off
+            group["lr"] = 0.0 if group["name"] == "rank_gates" else group["lr"]
+        opt = torch.optim.AdamW(groups)
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=4, realloc_at=1.0, share_allocation=False)
+        if captured:
+            sim = SimulatedGraphs(model, opt, ra)
+            monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+            step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, cuda_graphs="step", rank_adaptive=ra,
+                                   options={"batch_siblings": True})
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if captured:
+                loss = step(x, y)
+            else:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                loss = loss.detach()
+                ra.step(loss)
+            losses.append(float(loss))
+            if i == 2:   # one slice of one sibling off: cut out at step 4, gate's rank is then below up's
+                with torch.no_grad():
+                    model.blocks[0].gate.gates[0][0] = 0.0
+        return losses, ra
+
+    losses, ra = run(True)
+    ref_losses, ref_ra = run(False)
+    assert ra.cuts == ref_ra.cuts == 1 and ra.ranks() == ref_ra.ranks()
+    assert ra.ranks()["blocks.0.gate"] != ra.ranks()["blocks.0.up"]
+    assert shared and all(r.count >= 1 for r in shared)   # before and after the cut
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
