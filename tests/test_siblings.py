@@ -136,19 +136,22 @@ def test_equal_siblings_with_biases_share_every_product_and_inductor_compiles_th
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
 
 
-def _llama(layers: int = 2):
+def _llama(layers: int = 2, kv_heads: int = 4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=96, hidden_size=144, intermediate_size=288, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32)
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=32)
     model = cc.tensorize(LlamaForCausalLM(cfg), rank=6).double()
     _perturb(model, 2)
     return model
 
 
-def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eager():
-    model = _llama()
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
+def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eager(kv_heads):
+    """Multi-head: q, k and v share every product.  Grouped-query (k and v half q's width): the three share
+    the GEMM of the input; k and v, alike, share the rest."""
+    model = _llama(kv_heads=kv_heads)
     ids = torch.randint(0, 96, (2, 64))
 
     def loss_of(m):
@@ -161,10 +164,15 @@ def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eage
     compiled, seen = _rewritten(model)
     compiled(input_ids=ids)
     assert seen["result"].count == 4   # q/k/v and gate/up, in each of the 2 layers
-    # Every product of k and v is shared with q's, and every product of up with gate's.
-    shared = sum(2 * steps[f"model.layers.{i}.self_attn.q_proj"] + steps[f"model.layers.{i}.mlp.gate_proj"]
-                 for i in range(2))
-    assert seen["after"] == seen["before"] - shared
+    attention = model.model.layers[0].self_attn
+    k_plan = [s.per_row for s in attention.k_proj.plan(128).steps]
+    assert k_plan == [False] * (len(k_plan) - 2) + [True, True]   # the cores' products, then two per row
+    if kv_heads == 4:   # every product of k and v shared with q's
+        attention_saved = 2 * steps["model.layers.0.self_attn.q_proj"]
+    else:   # k and v with q: the first GEMM; v with k: the second and the cores' products
+        attention_saved = 2 + 1 + (len(k_plan) - 2)
+    # and every product of up with gate's, in both layers
+    assert seen["after"] == seen["before"] - 2 * (attention_saved + steps["model.layers.0.mlp.gate_proj"])
 
     eager = loss_of(model)
     eager.backward()

@@ -28,6 +28,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
+from comera_compile.layers import TTLayer
+from comera_compile.logs import _owner
 from comera_compile.passes import GraphPassResult, node_value
 
 __all__ = ["batch_siblings"]
@@ -151,15 +153,6 @@ class _Graph:
         return True
 
 
-def _values(arg: Any) -> Any:
-    """A node's fake value, through lists and tuples; anything else as it is."""
-    if isinstance(arg, torch.fx.Node):
-        return node_value(arg)
-    if isinstance(arg, (list, tuple)):
-        return type(arg)(_values(a) for a in arg)
-    return arg
-
-
 def _emit(g: _Graph, fn: Any, args: tuple, meta_from: torch.fx.Node) -> torch.fx.Node:
     """A new call of fn, its fake value computed (dynamo's graphs carry one on every node) and its source
     taken from meta_from."""
@@ -167,7 +160,7 @@ def _emit(g: _Graph, fn: Any, args: tuple, meta_from: torch.fx.Node) -> torch.fx
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if key in meta_from.meta:
             node.meta[key] = meta_from.meta[key]
-    values = _values(args)
+    values = torch.fx.node.map_arg(args, node_value)   # the fake values, through lists and tuples
     modes = {getattr(v, "fake_mode", None) for v in torch.utils._pytree.tree_leaves(values)
              if isinstance(v, torch.Tensor)}
     if len(modes) == 1 and None not in modes:
@@ -189,6 +182,16 @@ def _erase_dead(g: _Graph, nodes: Sequence[torch.fx.Node]) -> None:
         stack.extend(inputs)
 
 
+def _replace(g: _Graph, products: Sequence[torch.fx.Node], outputs: Sequence[torch.fx.Node]) -> None:
+    """Each product's uses now read its output; the products, and what only they read, erased."""
+    for product, output in zip(products, outputs):
+        inputs = product.all_input_nodes
+        product.replace_all_uses_with(output)
+        g.graph.erase_node(product)
+        _erase_dead(g, inputs)
+    g.renumber()
+
+
 def _share_left(g: _Graph, members: list[torch.fx.Node]) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """One matmul of the members' common left side by their right sides side by side; its column blocks
     replace the members.  None (graph unchanged) where the right sides cannot all be computed first."""
@@ -206,12 +209,7 @@ def _share_left(g: _Graph, members: list[torch.fx.Node]) -> tuple[torch.fx.Node,
             width = _static_shape(right)[1]
             blocks.append(_emit(g, operator.getitem, (product, (slice(None), slice(offset, offset + width))), member))
             offset += width
-    for member, block in zip(members, blocks):
-        old_left = member.args[0]
-        member.replace_all_uses_with(block)
-        g.graph.erase_node(member)
-        _erase_dead(g, [old_left])
-    g.renumber()
+    _replace(g, members, blocks)
     return product, blocks
 
 
@@ -232,27 +230,46 @@ def _next_products(blocks: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
     return products
 
 
-def _batch_next(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.Node]) -> bool:
-    """The blocks' next products as one batched GEMM over a (G, rows, width) view of the first product."""
-    rows, width = _static_shape(blocks[0])
-    if any(_static_shape(b) != (rows, width) for b in blocks):
-        return False
+def _batch_next(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.Node]) -> int:
+    """The blocks' next products as batched GEMMs over (n, rows, width) views of the first product, one per
+    run of adjacent blocks whose products agree in shape (k and v apart from q where k and v are narrower);
+    how many batched GEMMs replaced products."""
     products = _next_products(blocks)
     if products is None:
-        return False
+        return 0
+    count, run = 0, [0]
+    for i in range(1, len(blocks) + 1):
+        if i < len(blocks) and _next_kind(blocks[i], products[i]) == _next_kind(blocks[run[0]], products[run[0]]):
+            run.append(i)
+            continue
+        if len(run) > 1:
+            count += _batch_run(g, first_product, blocks, products, run)
+        run = [i]
+    return count
+
+
+def _next_kind(block: torch.fx.Node, product: torch.fx.Node) -> tuple:
+    _, right, bias = _product(product)
+    return (_static_shape(block), _static_shape(right), node_value(right).dtype,
+            None if bias is None else node_value(bias).dtype)
+
+
+def _batch_run(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.Node], products: list[torch.fx.Node],
+               run: list[int]) -> int:
+    rows, width = _static_shape(blocks[run[0]])
+    start = sum(_static_shape(b)[1] for b in blocks[:run[0]])   # the run's first column
+    products = [products[i] for i in run]
     parts = [_product(p) for p in products]
     rights = [r for _, r, _ in parts]
     biases = [b for _, _, b in parts]
-    if (len({(_static_shape(r), node_value(r).dtype) for r in rights}) != 1
-            or (any(b is None for b in biases) and any(b is not None for b in biases))
-            or (biases[0] is not None and len({node_value(b).dtype for b in biases}) != 1)):
-        return False
     first = min(products, key=g.order.__getitem__)   # products stay in the blocks' (column) order
     needed = rights + [b for b in biases if b is not None]
     if any(g.segment[p] != g.segment[first] for p in products) or not g.hoist(needed, first, set(products)):
-        return False
+        return 0
     with g.graph.inserting_before(first):
-        view = _emit(g, torch.reshape, (first_product, (rows, len(blocks), width)), first)
+        columns = _emit(g, operator.getitem, (first_product, (slice(None), slice(start, start + len(run) * width))),
+                        first)
+        view = _emit(g, torch.reshape, (columns, (rows, len(run), width)), first)
         left = _emit(g, torch.permute, (view, (1, 0, 2)), first)
         stacked = _emit(g, torch.stack, (rights,), first)
         if biases[0] is None:
@@ -261,13 +278,8 @@ def _batch_next(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.N
             bias = _emit(g, torch.unsqueeze, (_emit(g, torch.stack, (biases,), first), 1), first)
             batched = _emit(g, torch.baddbmm, (bias, left, stacked), first)
         outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(products)]
-    for product, output in zip(products, outputs):
-        old_left = product.args[1] if product.target is torch.addmm else product.args[0]
-        product.replace_all_uses_with(output)
-        g.graph.erase_node(product)
-        _erase_dead(g, [old_left])
-    g.renumber()
-    return True
+    _replace(g, products, outputs)
+    return 1
 
 
 def _depends_on(g: _Graph, root: torch.fx.Node) -> set[torch.fx.Node]:
@@ -281,9 +293,6 @@ def _depends_on(g: _Graph, root: torch.fx.Node) -> set[torch.fx.Node]:
 
 def _core_products(g: _Graph, layers: list[str], activation: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """Each layer's matmuls that the activation does not reach (products of its cores), in graph order."""
-    from comera_compile.layers import TTLayer
-    from comera_compile.logs import _owner
-
     products: dict[str, list[torch.fx.Node]] = {layer: [] for layer in layers}
     for node in g.graph.nodes:
         if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs:
@@ -297,9 +306,6 @@ def _core_products(g: _Graph, layers: list[str], activation: set[torch.fx.Node])
 
 def _layers(members: list[torch.fx.Node]) -> list[str] | None:
     """The TT layers the products belong to, one each; None unless they are distinct TT layers."""
-    from comera_compile.layers import TTLayer
-    from comera_compile.logs import _owner
-
     owners = [_owner(m, TTLayer) for m in members]
     if any(o is None for o in owners) or len({o[0] for o in owners}) != len(owners):
         return None
@@ -325,34 +331,34 @@ def _stack(g: _Graph, parts: list[torch.fx.Node], meta_from: torch.fx.Node) -> t
     return _emit(g, torch.stack, (parts,), meta_from)
 
 
+def _operand_kinds(product: torch.fx.Node) -> tuple | None:
+    kinds = tuple((_static_shape(a), getattr(node_value(a), "dtype", None)) for a in product.args)
+    return None if any(shape is None or len(shape) < 2 for shape, _ in kinds) else kinds
+
+
 def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
-    """The sibling layers' core products, position by position where their shapes agree, as one batched
-    matmul each over stacked operands; how many batched matmuls replaced products."""
-    per_layer = _core_products(g, layers, _depends_on(g, root))
-    if len({len(p) for p in per_layer}) != 1:
-        return 0
+    """The core products of sibling layers whose plans agree in every shape (all of them, or k and v apart
+    from q), position by position, as one batched matmul each over stacked operands; how many batched
+    matmuls replaced products."""
+    alike: dict[tuple, list[list[torch.fx.Node]]] = {}
+    for products in _core_products(g, layers, _depends_on(g, root)):
+        kinds = tuple(_operand_kinds(p) for p in products)
+        if products and None not in kinds:
+            alike.setdefault(kinds, []).append(products)
     count = 0
-    for batch in zip(*per_layer):
-        operand_kinds = {tuple((_static_shape(a), getattr(node_value(a), "dtype", None)) for a in p.args)
-                         for p in batch}
-        if len(operand_kinds) != 1 or any(shape is None or len(shape) < 2 for shape, _ in operand_kinds.pop()):
-            continue
-        first = min(batch, key=g.order.__getitem__)
-        operands = [a for p in batch for a in p.args]
-        if any(g.segment[p] != g.segment[first] for p in batch) or not g.hoist(operands, first, set(batch)):
-            continue
-        with g.graph.inserting_before(first):
-            lefts = _stack(g, [p.args[0] for p in batch], first)
-            rights = _stack(g, [p.args[1] for p in batch], first)
-            batched = _emit(g, torch.matmul, (lefts, rights), first)
-            outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(batch)]
-        for product, output in zip(batch, outputs):
-            old = list(product.args)
-            product.replace_all_uses_with(output)
-            g.graph.erase_node(product)
-            _erase_dead(g, old)
-        g.renumber()
-        count += 1
+    for same in alike.values():
+        for batch in zip(*same) if len(same) > 1 else ():
+            first = min(batch, key=g.order.__getitem__)
+            operands = [a for p in batch for a in p.args]
+            if any(g.segment[p] != g.segment[first] for p in batch) or not g.hoist(operands, first, set(batch)):
+                continue
+            with g.graph.inserting_before(first):
+                lefts = _stack(g, [p.args[0] for p in batch], first)
+                rights = _stack(g, [p.args[1] for p in batch], first)
+                batched = _emit(g, torch.matmul, (lefts, rights), first)
+                outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(batch)]
+            _replace(g, batch, outputs)
+            count += 1
     return count
 
 
