@@ -2,7 +2,8 @@
 dense eager, dense under torch.compile (Inductor), tensorized eager, tensorized under backend "comera"
 (cc.compile_step), and the same compiled step with every TT linear layer contracted in the reference
 implementation's fixed order (merge the input cores, merge the output cores, two GEMMs), so the planner's
-lead over that order is measured in the same run.  Then the first call of the compiled step, each in a
+lead over that order is measured in the same run; in full runs, again with the backend's batch_siblings
+on (q, k and v sharing their GEMMs; off on CPU by default).  Then the first call of the compiled step, each in a
 fresh process: with Inductor's caches empty (cold) and again with the caches the first left (warm).
 
 All variants of one batch size run in one process, interleaved, medians after warm-up.  The compiled steps
@@ -62,12 +63,12 @@ def _comera_fixed_order(gm: torch.fx.GraphModule, example_inputs: Any) -> Callab
     return comera_backend(gm, example_inputs)
 
 
-def _step_fn(model: nn.Module, compiled_backend: Any) -> Callable[..., torch.Tensor]:
+def _step_fn(model: nn.Module, compiled_backend: Any, options: dict | None = None) -> Callable[..., torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
     loss_fn = nn.CrossEntropyLoss()
     if compiled_backend is None:
         return eager_step(model, opt, loss_fn)
-    return cc.compile_step(model, loss_fn, opt, backend=compiled_backend)
+    return cc.compile_step(model, loss_fn, opt, backend=compiled_backend, options=options)
 
 
 def _in_fixed_order(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -93,6 +94,8 @@ def step_times(batch: int, seq: int, layers: int, quick: bool) -> dict:
     variants["tensorized eager"] = _step_fn(tt, None)
     variants["tensorized comera"] = _step_fn(_tensorized(layers), "comera")
     variants["comera, fixed order"] = _in_fixed_order(_step_fn(_tensorized(layers), _comera_fixed_order))
+    if not quick:   # q, k and v sharing their GEMMs (the backend's batch_siblings, on CPU off by default)
+        variants["comera, siblings shared"] = _step_fn(_tensorized(layers), "comera", {"batch_siblings": True})
     ids, seg, mask = six_encoder.example_inputs(dense, batch=batch, seq=seq)
     target = torch.randint(0, 3, (batch,))
     batch_args = (ids, seg, mask, target)
@@ -104,6 +107,8 @@ def step_times(batch: int, seq: int, layers: int, quick: bool) -> dict:
         "comera vs dense eager": ms["dense eager"] / ms["tensorized comera"],
         "comera vs tensorized eager": ms["tensorized eager"] / ms["tensorized comera"],
         "comera vs fixed order": ms["comera, fixed order"] / ms["tensorized comera"],
+        **({"siblings shared vs apart": ms["tensorized comera"] / ms["comera, siblings shared"]}
+           if "comera, siblings shared" in ms else {}),
         "dense params": sum(p.numel() for p in dense.parameters()),
         "tensorized params": sum(p.numel() for p in tt.parameters()),
         "threads": torch.get_num_threads(),
