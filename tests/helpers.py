@@ -33,14 +33,14 @@ class Block(nn.Module):
 
 
 class BlockNet(nn.Module):
-    """16 features in, two repeated Blocks of width 32 (what regional compilation compiles), 5 classes out;
-    ``scale`` multiplies the first layer's output (an input that is not a tensor)."""
+    """16 features in, two repeated blocks (Blocks of width 32 unless told; what regional compilation
+    compiles), 5 classes out; ``scale`` multiplies the first layer's output (an input that is not a tensor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 32, block: Callable[[int], nn.Module] = Block) -> None:
         super().__init__()
-        self.inp = nn.Linear(16, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(32, 5)
+        self.inp = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(2))
+        self.head = nn.Linear(width, 5)
 
     def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         x = self.inp(x) * scale

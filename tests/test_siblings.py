@@ -274,27 +274,13 @@ class _GLUBlock(nn.Module):
         return x + self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class _GLUNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(16, 144)
-        self.blocks = nn.ModuleList(_GLUBlock() for _ in range(2))
-        self.head = nn.Linear(144, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_cut(monkeypatch):
     """compile_step's whole-step graph (its capture simulated on the CPU), the backend sharing the siblings'
     GEMMs as it does on CUDA by default, a rank cut at step 4 (the siblings' ranks then differ, and the
     graphs recompile): the eager loop's losses, step for step."""
     from comera_compile import graphs
     from comera_compile.optim import param_groups
-    from helpers import SimulatedGraphs
+    from helpers import BlockNet, SimulatedGraphs
 
     import comera_compile.passes.fx.siblings as siblings
 
@@ -308,7 +294,7 @@ def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_c
     def run(captured: bool):
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = cc.tensorize(_GLUNet(), rank=6, min_features=16)
+        model = cc.tensorize(BlockNet(width=144, block=_GLUBlock), rank=6, min_features=16)
         groups = param_groups(model, lr=1e-3)
         for group in groups:   # the gates held still, so that a slice set to zero stays off
             group["lr"] = 0.0 if group["name"] == "rank_gates" else group["lr"]
