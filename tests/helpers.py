@@ -49,6 +49,20 @@ class BlockNet(nn.Module):
         return self.head(x)
 
 
+def eager_step_with(model: nn.Module, loss_fn: Callable, opt: torch.optim.Optimizer, ra, x: torch.Tensor,
+                    y: torch.Tensor) -> torch.Tensor:
+    """One step of the plain loop compile_step is checked against: loss, backward, optimizer step, grads
+    cleared, then ra.step(loss) (ra may be None); the detached loss."""
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss = loss.detach()
+    if ra is not None:
+        ra.step(loss)
+    return loss
+
+
 def rel_err(got: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor | float | None = None) -> float:
     """norm(got - ref) / max(norm(scale or ref), tiny), computed in float64."""
     got, ref = got.detach().double(), ref.detach().double()

@@ -280,7 +280,7 @@ def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_c
     graphs recompile): the eager loop's losses, step for step."""
     from comera_compile import graphs
     from comera_compile.optim import param_groups
-    from helpers import BlockNet, SimulatedGraphs
+    from helpers import BlockNet, SimulatedGraphs, eager_step_with
 
     import comera_compile.passes.fx.siblings as siblings
 
@@ -307,15 +307,7 @@ def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_c
                                    options={"batch_siblings": True})
         losses = []
         for i, (x, y) in enumerate(batches):
-            if captured:
-                loss = step(x, y)
-            else:
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loss = loss.detach()
-                ra.step(loss)
+            loss = step(x, y) if captured else eager_step_with(model, F.cross_entropy, opt, ra, x, y)
             losses.append(float(loss))
             if i == 2:   # one slice of one sibling off: cut out at step 4, gate's rank is then below up's
                 with torch.no_grad():

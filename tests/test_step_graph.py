@@ -23,7 +23,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile import graphs
 from comera_compile.optim import param_groups
-from helpers import Block, BlockNet, SimulatedGraphs, StaleReplay
+from helpers import Block, BlockNet, SimulatedGraphs, StaleReplay, eager_step_with
 
 pytestmark = pytest.mark.usefixtures("single_thread", "fresh_dynamo")
 
@@ -216,12 +216,7 @@ def test_rank_reallocation_and_the_late_stage_capture_anew(monkeypatch):
                 loss = step(x, y)
                 captures.append(step.graph.captures)
             else:
-                loss = loss_fn(model(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                loss = loss.detach()
-                ra.step(loss)
+                loss = eager_step_with(model, loss_fn, opt, ra, x, y)
             losses.append(float(loss))
             if i == 2:   # a slice nearly off in every layer: the late stage prunes it first
                 with torch.no_grad():
