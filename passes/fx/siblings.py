@@ -237,13 +237,15 @@ def _batch_next(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.N
     products = _next_products(blocks)
     if products is None:
         return 0
+    kinds = [_next_kind(b, p) for b, p in zip(blocks, products)]
+    starts = [sum(_static_shape(b)[1] for b in blocks[:i]) for i in range(len(blocks))]   # their first columns
     count, run = 0, [0]
     for i in range(1, len(blocks) + 1):
-        if i < len(blocks) and _next_kind(blocks[i], products[i]) == _next_kind(blocks[run[0]], products[run[0]]):
+        if i < len(blocks) and kinds[i] == kinds[run[0]]:
             run.append(i)
             continue
         if len(run) > 1:
-            count += _batch_run(g, first_product, blocks, products, run)
+            count += _batch_run(g, first_product, starts[run[0]], [blocks[j] for j in run], [products[j] for j in run])
         run = [i]
     return count
 
@@ -254,11 +256,10 @@ def _next_kind(block: torch.fx.Node, product: torch.fx.Node) -> tuple:
             None if bias is None else node_value(bias).dtype)
 
 
-def _batch_run(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.Node], products: list[torch.fx.Node],
-               run: list[int]) -> int:
-    rows, width = _static_shape(blocks[run[0]])
-    start = sum(_static_shape(b)[1] for b in blocks[:run[0]])   # the run's first column
-    products = [products[i] for i in run]
+def _batch_run(g: _Graph, first_product: torch.fx.Node, start: int, blocks: list[torch.fx.Node],
+               products: list[torch.fx.Node]) -> int:
+    """Adjacent blocks from column `start` on, of one width, and their next products, as one batched GEMM."""
+    rows, width = _static_shape(blocks[0])
     parts = [_product(p) for p in products]
     rights = [r for _, r, _ in parts]
     biases = [b for _, _, b in parts]
@@ -267,9 +268,9 @@ def _batch_run(g: _Graph, first_product: torch.fx.Node, blocks: list[torch.fx.No
     if any(g.segment[p] != g.segment[first] for p in products) or not g.hoist(needed, first, set(products)):
         return 0
     with g.graph.inserting_before(first):
-        columns = _emit(g, operator.getitem, (first_product, (slice(None), slice(start, start + len(run) * width))),
+        columns = _emit(g, operator.getitem, (first_product, (slice(None), slice(start, start + len(blocks) * width))),
                         first)
-        view = _emit(g, torch.reshape, (columns, (rows, len(run), width)), first)
+        view = _emit(g, torch.reshape, (columns, (rows, len(blocks), width)), first)
         left = _emit(g, torch.permute, (view, (1, 0, 2)), first)
         stacked = _emit(g, torch.stack, (rights,), first)
         if biases[0] is None:
