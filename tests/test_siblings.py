@@ -320,3 +320,34 @@ def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_c
     assert ra.ranks()["blocks.0.gate"] != ra.ranks()["blocks.0.up"]
     assert shared and all(r.count >= 1 for r in shared)   # before and after the cut
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+
+
+class _Reused(nn.Module):
+    """One TT layer called twice on the input (its products repeated) beside a sibling of the same shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = TTLinear(144, 144, rank=6, dtype=torch.float64)
+        self.k = TTLinear(144, 144, rank=6, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor):
+        return self.q(x) * self.q(x) + self.k(x)
+
+
+def test_a_layer_called_twice_beside_its_sibling_computes_what_eager_does():
+    torch.manual_seed(0)
+    model = _Reused()
+    _perturb(model, 4)
+    x = torch.randn(256, 144, dtype=torch.float64, requires_grad=True)
+    compiled, seen = _rewritten(model)
+    out = compiled(x)
+    assert seen["result"].count >= 1 and seen["after"] < seen["before"]
+    q, k = (x @ layer.to_dense().t() + layer.bias for layer in (model.q, model.k))
+    torch.testing.assert_close(out, q * q + k, rtol=1e-10, atol=1e-10 * float(out.detach().abs().max()))
+    out.sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))

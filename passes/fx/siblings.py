@@ -40,10 +40,8 @@ _QUIET = (torch._C._log_api_usage_once,)
 
 
 def _static_shape(node: object) -> tuple[int, ...] | None:
-    val = node_value(node)
-    if val is None or not all(type(s) is int for s in val.shape):
-        return None
-    return tuple(val.shape)
+    val = node_value(node)   # None where a size is symbolic: such graphs are left alone
+    return tuple(val.shape) if val is not None and all(type(s) is int for s in val.shape) else None
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -363,31 +361,38 @@ def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
     return count
 
 
-def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
-    """Contract products of one activation together (module docstring), in place; the count is how many
-    groups of products share a GEMM (example_inputs is accepted, as by every fx pass, and not needed: the
-    pass reads the fake values dynamo records, and leaves a graph without them alone)."""
-    g = _Graph(gm)
+def _groups(nodes: Sequence[torch.fx.Node]) -> dict[tuple, list[torch.fx.Node]]:
+    """The plain 2-D matmuls among nodes, grouped by their left side (its source and layout) and dtypes."""
     groups: dict[tuple, list[torch.fx.Node]] = {}
-    for node in gm.graph.nodes:
+    for node in nodes:
         product = _product(node)
         if product is None or product[2] is not None:
             continue
         left, right, _ = product
         lv, rv = node_value(left), node_value(right)
         groups.setdefault((*_source(left), _static_shape(left), lv.dtype, rv.dtype, lv.device), []).append(node)
+    return groups
+
+
+def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
+    """Contract products of one activation together (module docstring), in place; the count is how many
+    groups of products share a GEMM (example_inputs is accepted, as by every fx pass, and not needed: the
+    pass reads the fake values dynamo records, and leaves a graph without them alone)."""
+    g = _Graph(gm)
     count = 0
-    for members in groups.values():
-        if len(members) < 2:
-            continue
-        root, layers = _source(members[0].args[0])[0], _layers(members)
-        shared = _share_left(g, members)
-        if shared is None:
-            continue
-        count += 1
-        _batch_next(g, *shared)
-        if layers is not None:
-            _batch_cores(g, layers, root)
+    for members in _groups(list(gm.graph.nodes)).values():
+        # an earlier group's rewrite may have erased or rewired a member (layers sharing cores): group anew
+        for members in _groups([m for m in members if not getattr(m, "_erased", False)]).values():
+            if len(members) < 2:
+                continue
+            root, layers = _source(members[0].args[0])[0], _layers(members)
+            shared = _share_left(g, members)
+            if shared is None:
+                continue
+            count += 1
+            _batch_next(g, *shared)
+            if layers is not None:
+                _batch_cores(g, layers, root)
     if count:
         gm.graph.lint()
         gm.recompile()
