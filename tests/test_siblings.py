@@ -5,6 +5,8 @@ move across."""
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ from comera_compile.passes.fx.siblings import batch_siblings
 
 pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
 
-_PRODUCTS = {torch.matmul, torch.bmm, torch.baddbmm, torch.addmm}
+_PRODUCTS = {torch.matmul, operator.matmul, torch.bmm, torch.baddbmm, torch.addmm}
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +32,7 @@ def _fresh_dynamo():
 
 
 class Siblings(nn.Module):
-    """TT linear layers that all read the module's input; each output scaled by a fixed weight."""
+    """TT linear layers that all read the module's input; their outputs, in a list."""
 
     def __init__(self, in_features: int, widths: list[int], rank: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -41,9 +43,7 @@ class Siblings(nn.Module):
 
 
 def _products(gm: torch.fx.GraphModule) -> int:
-    import operator
-
-    return sum(n.op == "call_function" and n.target in (_PRODUCTS | {operator.matmul}) for n in gm.graph.nodes)
+    return sum(n.op == "call_function" and n.target in _PRODUCTS for n in gm.graph.nodes)
 
 
 def _rewritten(model: nn.Module, dynamic: bool = False):
