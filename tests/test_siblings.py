@@ -31,6 +31,18 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def shared(monkeypatch) -> list:
+    """What every run of the pass inside the backend returned, in order."""
+    import comera_compile.passes.fx.siblings as siblings
+
+    results = []
+    original = siblings.batch_siblings
+    monkeypatch.setattr(siblings, "batch_siblings",
+                        lambda gm, inputs=None: results.append(original(gm, inputs)) or results[-1])
+    return results
+
+
 class Siblings(nn.Module):
     """TT linear layers that all read the module's input; their outputs, in a list."""
 
@@ -274,7 +286,7 @@ class _GLUBlock(nn.Module):
         return x + self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_cut(monkeypatch):
+def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_cut(monkeypatch, shared):
     """compile_step's whole-step graph (its capture simulated on the CPU), the backend sharing the siblings'
     GEMMs as it does on CUDA by default, a rank cut at step 4 (the siblings' ranks then differ, and the
     graphs recompile): the eager loop's losses, step for step."""
@@ -282,12 +294,6 @@ def test_the_whole_step_graph_with_shared_gemms_trains_as_eager_through_a_rank_c
     from comera_compile.optim import param_groups
     from helpers import BlockNet, SimulatedGraphs, eager_step_with
 
-    import comera_compile.passes.fx.siblings as siblings
-
-    shared = []
-    original = siblings.batch_siblings
-    monkeypatch.setattr(siblings, "batch_siblings", lambda gm, inputs=None: shared.append(original(gm, inputs))
-                        or shared[-1])
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randn(128, 16, generator=g), torch.randint(0, 5, (128,), generator=g)) for _ in range(8)]
 
@@ -351,3 +357,39 @@ def test_a_layer_called_twice_beside_its_sibling_computes_what_eager_does():
     model(x).sum().backward()
     for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_12_layer_decoder_trained_by_compile_step_shares_in_one_block_graph_and_trains_as_eager(
+        family, shared):
+    """compile_step at its defaults but for the pass (on, as on CUDA), on a 12-layer transformers decoder
+    with grouped-query attention (Qwen2's q, k and v with biases): one compiled graph serves the 12 blocks,
+    with q/k/v and gate/up shared in it, and three AdamW steps give the eager loop's losses."""
+    transformers = pytest.importorskip("transformers")
+    config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[family])(
+        vocab_size=96, hidden_size=144, intermediate_size=288, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 96, (2, 64), generator=g) for _ in range(3)]
+
+    def run(compiled: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = cc.tensorize(transformers.AutoModelForCausalLM.from_config(config), rank=6)
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+        step = cc.compile_step(model, None, opt, options={"batch_siblings": True}) if compiled else None
+        losses = []
+        for ids in batches:
+            if compiled:
+                losses.append(float(step(input_ids=ids, labels=ids)))
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(float(loss))
+        return losses
+
+    losses, ref = run(True), run(False)
+    assert [r.count for r in shared if r.count] == [2], "one block graph, q/k/v and gate/up shared in it"
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=0)

@@ -30,7 +30,7 @@ import torch.fx
 
 from comera_compile.layers import TTLayer
 from comera_compile.logs import _owner
-from comera_compile.passes import GraphPassResult, node_value
+from comera_compile.passes import GraphPassResult, node_shape, node_value
 
 __all__ = ["batch_siblings"]
 
@@ -40,8 +40,8 @@ _QUIET = (torch._C._log_api_usage_once,)
 
 
 def _static_shape(node: object) -> tuple[int, ...] | None:
-    val = node_value(node)   # None where a size is symbolic: such graphs are left alone
-    return tuple(val.shape) if val is not None and all(type(s) is int for s in val.shape) else None
+    shape = node_shape(node)   # None where a size is symbolic: such graphs are left alone
+    return shape if shape is not None and all(type(s) is int for s in shape) else None
 
 
 def _is_view(node: torch.fx.Node) -> bool:
