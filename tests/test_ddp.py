@@ -289,3 +289,57 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
     for r in range(2):
         for p, q in zip(results[r]["params"], model.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+
+
+def _full_batches() -> list[torch.Tensor]:
+    """STEPS batches of 8 unpadded rows of 12 tokens: both halves hold as many label tokens, so DDP's average
+    of the two token means is the whole batch's."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 96, (8, 12), generator=g) for _ in range(STEPS)]
+
+
+def _siblings_worker(rank: int, world: int, port: int, out: str) -> None:
+    """A Llama under DDP with buckets small enough that dynamo's DDP optimizer splits each graph at them,
+    compiled by "comera" with the sibling pass on (CUDA's default); what each run of the pass shared."""
+    import comera_compile.passes.fx.siblings as siblings
+
+    shared = []
+    original = siblings.batch_siblings
+    siblings.batch_siblings = lambda gm, inputs=None: (lambda r: shared.append(r.count) or r)(original(gm, inputs))
+    # buckets of 16 KiB: the tiny model's parameters fill three, as a large model's fill 25 MiB ones (torch
+    # wants the first bucket no larger than the rest, and its default first bucket holds a MiB)
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 16384
+    with _process_group(rank, world, port):
+        ddp = nn.parallel.DistributedDataParallel(_llama().float(), bucket_cap_mb=16384 / 2**20)
+        compiled = torch.compile(ddp, backend="comera", options={"batch_siblings": True})
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        per = 8 // world
+        for ids in _full_batches():
+            ids = ids[rank * per:(rank + 1) * per]
+            compiled(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({"params": [p.detach() for p in ddp.module.parameters()], "shared": shared}, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process(tmp_path):
+    """Dynamo's DDP optimizer cuts the graph at the gradient buckets and the backend rewrites each piece:
+    siblings share their GEMMs only where they fall in one piece, and two processes, each on half of every
+    (unpadded) batch, end where one eager process ends on the whole batch.  float32 through Inductor."""
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "siblings")
+    mp.spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    results = [torch.load(f"{out}.{r}") for r in range(2)]
+    for r in results:
+        # the graph cut into pieces (one graph: 4 groups share); the siblings of a piece still share
+        assert len(r["shared"]) >= 3 and 0 < sum(r["shared"]) < 4, r["shared"]
+    assert all(torch.equal(p, q) for p, q in zip(results[0]["params"], results[1]["params"]))
+    model = _llama().float()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for ids in _full_batches():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(results[0]["params"], model.parameters()):
+        assert (p - q.detach()).norm() <= 1e-4 * q.norm() + 1e-6
