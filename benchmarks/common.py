@@ -13,8 +13,10 @@ from torch import nn
 from comera_compile import networks
 from comera_compile.tt import TTSpec, gemm_spec
 
-__all__ = ["Measurement", "compare", "format_flat_rows", "eager_step", "compiled_autograd_step",
+__all__ = ["Measurement", "compare", "gemm_calls", "format_flat_rows", "eager_step", "compiled_autograd_step",
            "fixed_order_plan", "table_shape"]
+
+GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 
 
 @dataclass
@@ -52,6 +54,14 @@ def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: 
                     break
             out[name].samples.append(elapsed / n)
     return out
+
+
+def gemm_calls(fn: Callable[[], object]) -> int:
+    """How many GEMMs (matrix and batched matrix products, with or without an added bias) one call of fn
+    runs, counted by torch's profiler on the host: inside compiled graphs too, not inside CUDA graphs."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key in GEMM_OPS)
 
 
 def format_flat_rows(rows: list[dict]) -> str:

@@ -3,8 +3,9 @@ dense eager, dense under torch.compile (Inductor), tensorized eager, tensorized 
 (cc.compile_step), and the same compiled step with every TT linear layer contracted in the reference
 implementation's fixed order (merge the input cores, merge the output cores, two GEMMs), so the planner's
 lead over that order is measured in the same run; in full runs, again with the backend's batch_siblings
-on (q, k and v sharing their GEMMs; off on CPU by default).  Then the first call of the compiled step, each in a
-fresh process: with Inductor's caches empty (cold) and again with the caches the first left (warm).
+on (q, k and v sharing their GEMMs; off on CPU by default), with both compiled steps' GEMM calls per step.
+Then the first call of the compiled step, each in a fresh process: with Inductor's caches empty (cold)
+and again with the caches the first left (warm).
 
 All variants of one batch size run in one process, interleaved, medians after warm-up.  The compiled steps
 come from compile_step, which sets keep_freed_memory() for the whole process before any variant is timed,
@@ -31,7 +32,7 @@ from comera_compile.backend import comera_backend
 from comera_compile.examples import six_encoder
 from comera_compile.tt import TTSpec, constant_under_compile
 
-from .common import compare, eager_step, fixed_order_plan
+from .common import compare, eager_step, fixed_order_plan, gemm_calls
 
 __all__ = ["run", "format_rows", "fixed_order", "first_call_seconds"]
 
@@ -102,6 +103,8 @@ def step_times(batch: int, seq: int, layers: int, quick: bool) -> dict:
     m = compare({k: (lambda f=f: f(*batch_args)) for k, f in variants.items()},
                 warmup=2, repeat=3 if quick else (15 if batch == 1 else 7))
     ms = {k: v.median * 1e3 for k, v in m.items()}
+    gemms = {k: gemm_calls(lambda f=variants[k]: f(*batch_args))
+             for k in ("tensorized comera", "comera, siblings shared") if k in variants}
     return {
         "benchmark": f"six_encoder_step_b{batch}x{seq}_l{layers}", **{f"{k} ms": v for k, v in ms.items()},
         "comera vs dense eager": ms["dense eager"] / ms["tensorized comera"],
@@ -109,6 +112,7 @@ def step_times(batch: int, seq: int, layers: int, quick: bool) -> dict:
         "comera vs fixed order": ms["comera, fixed order"] / ms["tensorized comera"],
         **({"siblings shared vs apart": ms["tensorized comera"] / ms["comera, siblings shared"]}
            if "comera, siblings shared" in ms else {}),
+        **{f"{k} GEMMs": n for k, n in gemms.items()},
         "dense params": sum(p.numel() for p in dense.parameters()),
         "tensorized params": sum(p.numel() for p in tt.parameters()),
         "threads": torch.get_num_threads(),
@@ -171,8 +175,16 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['benchmark']} ({r['threads']} threads): {times}; comera {r['comera vs dense eager']:.2f}x "
                      f"faster than dense eager, {r['comera vs tensorized eager']:.2f}x than tensorized eager, "
                      f"{r['comera vs fixed order']:.2f}x than the fixed order; params {r['dense params']:,} -> "
-                     f"{r['tensorized params']:,}")
+                     f"{r['tensorized params']:,}" + _gemms(r))
     return "\n".join(lines)
+
+
+def _gemms(row: dict) -> str:
+    """The GEMM calls per step of the compiled step, with and without siblings sharing, where counted."""
+    if "comera, siblings shared GEMMs" not in row:
+        return ""
+    return (f"; GEMM calls per step {row['tensorized comera GEMMs']:,} -> {row['comera, siblings shared GEMMs']:,} "
+            f"with siblings shared ({row['siblings shared vs apart']:.2f}x the step time)")
 
 
 def _main() -> None:

@@ -233,6 +233,26 @@ def test_fixed_order_baseline_runs_the_reference_order_and_computes_the_same_pro
     torch._dynamo.reset()
 
 
+def test_gemm_calls_counts_every_matrix_product_one_call_runs_and_the_six_encoder_row_shows_them():
+    from comera_compile.benchmarks.common import gemm_calls
+    from comera_compile.benchmarks.six_encoder_step import format_rows
+
+    a, b, c = torch.randn(4, 8), torch.randn(8, 8), torch.randn(2, 4, 8)
+
+    def products():   # a @ b, a 3-D @ 2-D matmul (one folded GEMM), addmm, bmm, baddbmm: five; the rest none
+        return (a @ b, c @ b, torch.addmm(b[0], a, b), torch.bmm(c, b.expand(2, 8, 8)),
+                torch.baddbmm(c, c, b.expand(2, 8, 8)), a.sum(), a * 2, b @ b[0])
+
+    assert gemm_calls(products) == 5
+    assert gemm_calls(lambda: None) == 0
+    row = {"benchmark": "six_encoder_step_b8x128_l6", "dense eager ms": 100.0, "tensorized comera ms": 25.0,
+           "comera, siblings shared ms": 24.0, "comera vs dense eager": 4.0, "comera vs tensorized eager": 2.0,
+           "comera vs fixed order": 1.5, "siblings shared vs apart": 25.0 / 24.0, "tensorized comera GEMMs": 678,
+           "comera, siblings shared GEMMs": 390, "dense params": 85_000_000, "tensorized params": 2_000_000,
+           "threads": 2}
+    assert format_rows([row]).endswith("; GEMM calls per step 678 -> 390 with siblings shared (1.04x the step time)")
+
+
 # -- the device suite (comera-compile bench --device, make gpu-check) -----------------------------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown where no GPU is present")

@@ -332,8 +332,8 @@ def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process
     mp.spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     for r in results:
-        # the graph cut into pieces (one graph: 4 groups share); the siblings of a piece still share
-        assert len(r["shared"]) >= 3 and 0 < sum(r["shared"]) < 4, r["shared"]
+        # the graph cut into pieces, and the siblings (and alike layers) of a piece still share
+        assert len(r["shared"]) >= 3 and sum(r["shared"]) > 0, r["shared"]
     assert all(torch.equal(p, q) for p, q in zip(results[0]["params"], results[1]["params"]))
     model = _llama().float()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)

@@ -97,7 +97,8 @@ def test_siblings_share_their_gemms_and_compute_the_dense_products_and_eager_gra
 
     compiled, seen = _rewritten(model)
     outs = compiled(x)
-    assert seen["result"].count == 1, "the siblings' first products share one GEMM"
+    # the first products share one GEMM; layers of one width may share their core products too
+    assert 1 <= seen["result"].count <= 1 + len(widths) - len(set(widths))
     assert seen["after"] < seen["before"]
     eps = 1e-11 if dtype == torch.float64 else 1e-5
 
@@ -161,8 +162,8 @@ def _llama(layers: int = 2, kv_heads: int = 4):
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
 def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eager(kv_heads):
-    """Multi-head: q, k and v share every product.  Grouped-query (k and v half q's width): the three share
-    the GEMM of the input; k and v, alike, share the rest."""
+    """Multi-head: q, k and v share every product, and o their cores'.  Grouped-query (k and v half q's
+    width): the three share the GEMM of the input; k and v, alike, share the rest, and q and o the cores'."""
     model = _llama(kv_heads=kv_heads)
     ids = torch.randint(0, 96, (2, 64))
 
@@ -172,19 +173,20 @@ def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eage
 
     (report,) = cc.rewritten_graphs(model, input_ids=ids)   # on CPU by default without the pass
     assert "batch_siblings" not in report.passes
-    steps = {layer.layer: len(layer.steps) for layer in report.layers}
     compiled, seen = _rewritten(model)
     compiled(input_ids=ids)
-    assert seen["result"].count == 4   # q/k/v and gate/up, in each of the 2 layers
-    attention = model.model.layers[0].self_attn
-    k_plan = [s.per_row for s in attention.k_proj.plan(128).steps]
-    assert k_plan == [False] * (len(k_plan) - 2) + [True, True]   # the cores' products, then two per row
-    if kv_heads == 4:   # every product of k and v shared with q's
-        attention_saved = 2 * steps["model.layers.0.self_attn.q_proj"]
-    else:   # k and v with q: the first GEMM; v with k: the second and the cores' products
-        attention_saved = 2 + 1 + (len(k_plan) - 2)
-    # and every product of up with gate's, in both layers
-    assert seen["after"] == seen["before"] - 2 * (attention_saved + steps["model.layers.0.mlp.gate_proj"])
+    layers = [m for m in model.model.layers.modules() if isinstance(m, TTLinear)]
+    plans = {tuple(s.per_row for s in m.plan(128).steps) for m in layers}
+    assert plans == {(False,) * 4 + (True,) * 2}   # the cores' four products, then two per row, in every layer
+    shapes = {(m.in_features, m.out_features) for m in layers}   # 3 (multi-head) or 4 (k and v narrower)
+    # Shared in each of the 2 layers: q/k/v's product of the input, one; their second products, one
+    # batched GEMM where all three agree (multi-head), else q's and one for k and v; gate/up's two
+    # products, one each; o and down alone.  And position by position, the cores' products of all the
+    # layers of each shape, both layers' together.
+    others = seen["before"] - sum(len(m.plan(128).steps) for m in layers)   # attention's, the TT head's
+    per_layer = 1 + (1 if kv_heads == 4 else 2) + 2 + 2 + 2
+    assert seen["after"] == others + 2 * per_layer + 4 * len(shapes)
+    assert seen["result"].count == 4 + len(shapes)   # q/k/v and gate/up in each layer; each shape's layers
 
     eager = loss_of(model)
     eager.backward()
@@ -240,6 +242,40 @@ def test_nothing_is_shared_across_a_grad_mode_switch_or_an_in_place_update(betwe
     scale = 2.0 if between == "in_place" else 1.0
     torch.testing.assert_close(b, model.k(x * scale), rtol=1e-12, atol=1e-12)
     assert b.requires_grad == (between == "in_place") and a.requires_grad
+
+
+class _Chain(nn.Module):
+    """Two TT layers of one shape in a row (attention's q and its output projection, say): no input shared."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = TTLinear(144, 144, rank=6, dtype=torch.float64)
+        self.o = TTLinear(144, 144, rank=6, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(torch.tanh(self.q(x)))
+
+
+def test_alike_layers_in_a_row_share_their_core_products_and_compute_what_eager_does():
+    torch.manual_seed(0)
+    model = _Chain()
+    _perturb(model, 5)
+    x = torch.randn(256, 144, dtype=torch.float64, requires_grad=True)
+    steps = [s.per_row for s in model.q.plan(256).steps]
+    assert steps == [False] * 4 + [True] * 2
+    compiled, seen = _rewritten(model)
+    out = compiled(x)
+    # the four positions of the cores' products batched over both layers; the per-row products apart
+    assert seen["result"].count == 1 and (seen["before"], seen["after"]) == (12, 4 + 2 * 2)
+    q = torch.tanh(x @ model.q.to_dense().t() + model.q.bias)
+    torch.testing.assert_close(out, q @ model.o.to_dense().t() + model.o.bias, rtol=1e-10, atol=1e-12)
+    out.square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    for a, b in zip(got, [x.grad] + [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
 
 
 def test_symbolic_shapes_are_left_alone():
@@ -364,7 +400,8 @@ def test_a_12_layer_decoder_trained_by_compile_step_shares_in_one_block_graph_an
         family, shared):
     """compile_step at its defaults but for the pass (on, as on CUDA), on a 12-layer transformers decoder
     with grouped-query attention (Qwen2's q, k and v with biases): one compiled graph serves the 12 blocks,
-    with q/k/v and gate/up shared in it, and three AdamW steps give the eager loop's losses."""
+    with q/k/v and gate/up (and alike layers' core products) shared in it, and three AdamW steps give the
+    eager loop's losses."""
     transformers = pytest.importorskip("transformers")
     config = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[family])(
         vocab_size=96, hidden_size=144, intermediate_size=288, num_hidden_layers=12, num_attention_heads=4,
@@ -391,5 +428,6 @@ def test_a_12_layer_decoder_trained_by_compile_step_shares_in_one_block_graph_an
         return losses
 
     losses, ref = run(True), run(False)
-    assert [r.count for r in shared if r.count] == [2], "one block graph, q/k/v and gate/up shared in it"
+    # one block graph: q/k/v and gate/up share their input's GEMMs; q and o, k and v, gate and up their cores'
+    assert [r.count for r in shared if r.count] == [2 + 3]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-4, atol=0)

@@ -12,8 +12,8 @@ these are small GEMMs whose launch and tail cost as much as their arithmetic (do
   in one GEMM each instead of G;
 - where each of those column blocks, all of one width, is then multiplied by a right-hand side of one
   shape (with or without a bias), the G products become one batched GEMM over a view of the first result;
-- the sibling layers' products of their cores, position by position where the shapes agree, become one
-  batched matmul each over stacked operands.
+- the products of the cores of every TT layer of one plan (attention's four projections, the same
+  layer in each block of a graph), position by position, become one batched matmul each.
 
 Values are unchanged (the same products, grouped); only pure computations of the right-hand sides move
 earlier in the graph, never across a change of grad mode or autocast, an in-place op or a module call.
@@ -281,34 +281,30 @@ def _batch_run(g: _Graph, first_product: torch.fx.Node, start: int, blocks: list
     return 1
 
 
-def _depends_on(g: _Graph, root: torch.fx.Node) -> set[torch.fx.Node]:
-    """Every node whose value is computed from root's (one pass in graph order)."""
-    found = {root}
-    for node in g.graph.nodes:
-        if g.order[node] > g.order[root] and any(n in found for n in node.all_input_nodes):
-            found.add(node)
-    return found
+def _is_state(node: torch.fx.Node) -> bool:
+    """A parameter (dynamo records the tensor a placeholder lifted; without that record: an activation)."""
+    if node.op == "get_attr":
+        return True
+    try:
+        return isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter)
+    except Exception:   # a lifted tensor that no longer exists
+        return False
 
 
-def _core_products(g: _Graph, layers: list[str], activation: set[torch.fx.Node]) -> list[list[torch.fx.Node]]:
-    """Each layer's matmuls that the activation does not reach (products of its cores), in graph order."""
-    products: dict[str, list[torch.fx.Node]] = {layer: [] for layer in layers}
+def _core_products(g: _Graph) -> dict[str, list[torch.fx.Node]]:
+    """Each TT layer's matmuls that no activation reaches (the products of its cores), in graph order."""
+    moving: set[torch.fx.Node] = set()
+    products: dict[str, list[torch.fx.Node]] = {}
     for node in g.graph.nodes:
+        if (node.op == "placeholder" and not _is_state(node)) or any(n in moving for n in node.all_input_nodes):
+            moving.add(node)
+            continue
         if node.op != "call_function" or node.target not in _MATMULS or len(node.args) != 2 or node.kwargs:
             continue
         owner = _owner(node, TTLayer)
-        if owner is None or owner[0] not in products or node in activation:
-            continue
-        products[owner[0]].append(node)
-    return list(products.values())
-
-
-def _layers(members: list[torch.fx.Node]) -> list[str] | None:
-    """The TT layers the products belong to, one each; None unless they are distinct TT layers."""
-    owners = [_owner(m, TTLayer) for m in members]
-    if any(o is None for o in owners) or len({o[0] for o in owners}) != len(owners):
-        return None
-    return [o[0] for o in owners]
+        if owner is not None:
+            products.setdefault(owner[0], []).append(node)
+    return products
 
 
 def _stack(g: _Graph, parts: list[torch.fx.Node], meta_from: torch.fx.Node) -> torch.fx.Node:
@@ -335,17 +331,18 @@ def _operand_kinds(product: torch.fx.Node) -> tuple | None:
     return None if any(shape is None or len(shape) < 2 for shape, _ in kinds) else kinds
 
 
-def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
-    """The core products of sibling layers whose plans agree in every shape (all of them, or k and v apart
-    from q), position by position, as one batched matmul each over stacked operands; how many batched
-    matmuls replaced products."""
+def _batch_cores(g: _Graph) -> int:
+    """The core products of TT layers whose plans agree in every shape (q, k, v and the output projection
+    of attention; the same layer of every block in a graph of several), position by position, as one batched
+    matmul each over stacked operands; how many sets of layers share them."""
     alike: dict[tuple, list[list[torch.fx.Node]]] = {}
-    for products in _core_products(g, layers, _depends_on(g, root)):
+    for products in _core_products(g).values():
         kinds = tuple(_operand_kinds(p) for p in products)
-        if products and None not in kinds:
-            alike.setdefault(kinds, []).append(products)
+        if None not in kinds:   # the segment too: products across a boundary cannot move to one place
+            alike.setdefault((kinds, g.segment[products[0]]), []).append(products)
     count = 0
     for same in alike.values():
+        shared = False
         for batch in zip(*same) if len(same) > 1 else ():
             first = min(batch, key=g.order.__getitem__)
             operands = [a for p in batch for a in p.args]
@@ -357,7 +354,8 @@ def _batch_cores(g: _Graph, layers: list[str], root: torch.fx.Node) -> int:
                 batched = _emit(g, torch.matmul, (lefts, rights), first)
                 outputs = [_emit(g, operator.getitem, (batched, i), p) for i, p in enumerate(batch)]
             _replace(g, batch, outputs)
-            count += 1
+            shared = True
+        count += shared
     return count
 
 
@@ -375,9 +373,10 @@ def _groups(nodes: Sequence[torch.fx.Node]) -> dict[tuple, list[torch.fx.Node]]:
 
 
 def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
-    """Contract products of one activation together (module docstring), in place; the count is how many
-    groups of products share a GEMM (example_inputs is accepted, as by every fx pass, and not needed: the
-    pass reads the fake values dynamo records, and leaves a graph without them alone)."""
+    """Contract products of one activation together, and alike layers' core products (module docstring), in
+    place; the count is how many groups share: siblings reading one activation, and sets of alike layers
+    (example_inputs is accepted, as by every fx pass, and not needed: the pass reads the fake values
+    dynamo records, and leaves a graph without them alone)."""
     g = _Graph(gm)
     count = 0
     for members in _groups(list(gm.graph.nodes)).values():
@@ -385,14 +384,12 @@ def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | 
         for members in _groups([m for m in members if not getattr(m, "_erased", False)]).values():
             if len(members) < 2:
                 continue
-            root, layers = _source(members[0].args[0])[0], _layers(members)
             shared = _share_left(g, members)
             if shared is None:
                 continue
             count += 1
             _batch_next(g, *shared)
-            if layers is not None:
-                _batch_cores(g, layers, root)
+    count += _batch_cores(g)
     if count:
         gm.graph.lint()
         gm.recompile()
