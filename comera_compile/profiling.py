@@ -222,16 +222,14 @@ def _frame_owner(gm: torch.fx.GraphModule) -> tuple[str, str] | None:
     own, or reached after a graph break), found by the parameters dynamo captured; else None."""
     from comera_compile.layers import TTLayer, layer_of
     from comera_compile.logs import _owner
+    from comera_compile.passes import lifted_tensor
 
     if any(_owner(n, TTLayer) for n in gm.graph.nodes):
         return None
     layers = set()
     for node in gm.graph.find_nodes(op="placeholder"):
-        try:
-            example = node.meta["grapharg"].example
-        except Exception:   # not a dynamo graph, or an input without an example
-            continue
-        layer = layer_of(example) if isinstance(example, torch.Tensor) else None
+        example = lifted_tensor(node)
+        layer = layer_of(example) if example is not None else None
         if layer is not None:
             layers.add(layer)
     if len(layers) != 1:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-__all__ = ["GraphPassResult", "node_value", "node_shape"]
+__all__ = ["GraphPassResult", "node_value", "node_shape", "lifted_tensor"]
 
 
 class GraphPassResult(PassResult):
@@ -51,3 +51,13 @@ def node_shape(node: object) -> tuple[int, ...] | None:
         return tuple(val.shape)
     tm = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
     return tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None
+
+
+def lifted_tensor(node: torch.fx.Node) -> torch.Tensor | None:
+    """The real tensor a placeholder of dynamo's graph lifted (a parameter, a buffer, an input), as dynamo
+    recorded it; None for other nodes, graphs not from dynamo, and a tensor that no longer exists."""
+    try:
+        example = node.meta["grapharg"].example
+    except Exception:   # no record, or its weak reference is dead
+        return None
+    return example if isinstance(example, torch.Tensor) else None

@@ -30,7 +30,7 @@ import torch.fx
 
 from comera_compile.layers import TTLayer
 from comera_compile.logs import _owner
-from comera_compile.passes import GraphPassResult, node_shape, node_value
+from comera_compile.passes import GraphPassResult, lifted_tensor, node_shape, node_value
 
 __all__ = ["batch_siblings"]
 
@@ -283,12 +283,7 @@ def _batch_run(g: _Graph, first_product: torch.fx.Node, start: int, blocks: list
 
 def _is_state(node: torch.fx.Node) -> bool:
     """A parameter (dynamo records the tensor a placeholder lifted; without that record: an activation)."""
-    if node.op == "get_attr":
-        return True
-    try:
-        return isinstance(getattr(node.meta.get("grapharg"), "example", None), torch.nn.Parameter)
-    except Exception:   # a lifted tensor that no longer exists
-        return False
+    return node.op == "get_attr" or isinstance(lifted_tensor(node), torch.nn.Parameter)
 
 
 def _core_products(g: _Graph) -> dict[str, list[torch.fx.Node]]:
