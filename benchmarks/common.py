@@ -14,7 +14,7 @@ from comera_compile import networks
 from comera_compile.tt import TTSpec, gemm_spec
 
 __all__ = ["Measurement", "compare", "gemm_calls", "format_flat_rows", "eager_step", "compiled_autograd_step",
-           "fixed_order_plan", "table_shape"]
+           "fixed_order_plan", "table_shape", "EXTRAS", "row_plan"]
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
 
@@ -120,3 +120,31 @@ def table_shape(quick: bool, cuda: bool) -> tuple[tuple[int, ...], int, int]:
     if cuda:
         return ((1, 8) if quick else (1, 8, 32)), 128, 2 if quick else 6
     return (1, 2), 32, 1
+
+
+# The device step's variants beyond those of every row (dense eager, compiled and whole-step; CoMERA per-block,
+# whole-step and graphs off), each measured only in the rows row_plan gives it.
+EXTRAS = ("GaLore", "CoMERA, compiled autograd", "CoMERA, whole-step graph, siblings apart",
+          "CoMERA, whole-step graph, combo kernels", "CoMERA, fixed order")
+
+
+def row_plan(batches: tuple[int, ...], precisions: tuple[str, ...] = ("bf16", "fp32")
+             ) -> list[tuple[str, int, frozenset[str]]]:
+    """The device step table's rows in the order they run, (precision, batch, extra variants) each.  The
+    headline row (the first precision at the middle batch) runs first, so a run cut short by a lent GPU's time
+    limit still has it.  Extras go where they answer their question, and a compile each is saved elsewhere:
+    GaLore at the smallest batch (its claim is at batch 1); the whole step compiled with compiled autograd (one
+    long compile) at the first precision's smallest batch; the siblings apart in every row of the first
+    precision (they decide batch_siblings' CUDA default); combo kernels and the fixed order in the headline row."""
+    head = batches[len(batches) // 2]
+    order = sorted(((p, b) for p in precisions for b in batches),
+                   key=lambda pb: (precisions.index(pb[0]), pb[1] != head, pb[1]))
+    plan = []
+    for p, b in order:
+        first = p == precisions[0]
+        extras = {"GaLore"} if b == min(batches) else set()
+        extras |= {"CoMERA, compiled autograd"} if first and b == min(batches) else set()
+        extras |= {"CoMERA, whole-step graph, siblings apart"} if first else set()
+        extras |= set(EXTRAS[3:]) if (p, b) == order[0] else set()
+        plan.append((p, b, frozenset(extras)))
+    return plan

@@ -10,8 +10,10 @@ bfloat16 autocast.  Variants, all in one process:
 - CoMERA: tensorized, cc.compile_step with backend "comera": per-block graphs (cuda_graphs="compiled": each
   compiled block replayed by Inductor's CUDA Graph trees, the rest launched kernel by kernel), the whole step
   one CUDA graph ("step"; again with Inductor's combo kernels; again with batch_siblings off), CUDA Graphs
-  off, and per-block with every TT linear contracted in the reference implementation's fixed order; on CUDA also the whole step compiled as one function with its backward traced by compiled autograd
-  (common.compiled_autograd_step), at the smallest batch only (the whole model is one long compile).
+  off, and per-block with every TT linear contracted in the reference implementation's fixed order; on CUDA
+  also the whole step compiled as one function, its backward traced by compiled autograd
+  (common.compiled_autograd_step).  GaLore and the variants named in common.EXTRAS run only in the rows
+  common.row_plan gives them (each costs a compile per row; the headline row runs first).
 A variant whose first call fails is reported in the row ("<variant> error") and left out.  First, each
 variant alone: its first call (compiles included) and its peak device memory over its first three steps
 (step_peak_bytes).  Then step times, interleaved, medians after warm-up, from CUDA events (on the CPU: the
@@ -23,17 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import platform
 import statistics
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 import torch
 from torch import nn
 
 import comera_compile as cc
 from comera_compile.examples import six_encoder
+from comera_compile.memory import peak_bytes
+from comera_compile.step_time import call_ms
 
-from .common import compiled_autograd_step, eager_step, table_shape
+from .common import EXTRAS, compiled_autograd_step, eager_step, row_plan, table_shape
+from .galore import galore_optimizer, persistent_bytes
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
 __all__ = ["run", "format_rows", "ratio_text", "device_compare", "step_peak_bytes", "precision", "PRECISIONS",
@@ -72,8 +78,6 @@ def device_compare(cases: dict[str, Callable[[], object]], device: torch.device,
         for _ in range(warmup):
             fn()
     _sync(device)
-    from comera_compile.step_time import call_ms
-
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
@@ -89,10 +93,6 @@ def step_peak_bytes(step: Callable[[], object], model: nn.Module, optimizer: tor
     record CUDA Graphs included: their memory pool is what the replays reuse); elsewhere the peak live
     tensor bytes of one call as comera_compile.memory tracks them (eager steps only: a compiled step's
     kernels allocate out of its sight).  A first step runs unmeasured when the optimizer has no state yet."""
-    from comera_compile.memory import peak_bytes
-
-    from .galore import persistent_bytes
-
     if not optimizer.state:
         step()
     gc.collect()
@@ -108,11 +108,10 @@ def step_peak_bytes(step: Callable[[], object], model: nn.Module, optimizer: tor
     return torch.cuda.max_memory_allocated(device) - base + persistent_bytes(model, optimizer)
 
 
-def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galore: bool, whole_compile: bool
+def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, extras: Collection[str]
               ) -> dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tensor]]]:
-    """name -> (model, optimizer, step(*batch)) of every variant, built from one seed."""
-    from .galore import galore_optimizer
-
+    """name -> (model, optimizer, step(*batch)) of every variant, built from one seed: those of every row and
+    the `extras` named (common.EXTRAS)."""
     loss_fn = nn.CrossEntropyLoss()
     cuda = device.type == "cuda"
     torch.manual_seed(0)
@@ -139,6 +138,7 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
         opt = adamw(whole)
         out["dense, whole-step graph"] = (whole, opt, cc.compile_step(
             whole, loss_fn, opt, backend="inductor", cuda_graphs="step", autocast=dtype))
+    galore = "GaLore" in extras
     if galore:
         try:
             import galore_torch  # noqa: F401  (it imports bitsandbytes too)
@@ -152,7 +152,7 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
     def tensorized() -> nn.Module:
         return cc.tensorize(copy_of(dense), preset="comera-six-encoder", inplace=True)
 
-    if cuda and whole_compile:
+    if cuda and "CoMERA, compiled autograd" in extras:
         m = tensorized()
         opt = adamw(m)
         out["CoMERA, compiled autograd"] = (m, opt, compiled_autograd_step(m, loss_fn, opt, dtype))
@@ -164,8 +164,8 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
                                            ("CoMERA, whole-step graph, siblings apart", "comera", "step", apart),
                                            ("CoMERA, CUDA Graphs off", "comera", "off", None),
                                            ("CoMERA, fixed order", _comera_fixed_order, "compiled", None)):
-        if graphs != "compiled" and not cuda:
-            continue   # the same graphs as "CoMERA" where there are no CUDA Graphs
+        if (graphs != "compiled" and not cuda) or (name in EXTRAS and name not in extras):
+            continue   # the same graphs as "CoMERA" where there are no CUDA Graphs; an extra not asked for
         m = tensorized()
         opt = adamw(m)
         step = cc.compile_step(m, loss_fn, opt, backend=backend, cuda_graphs=graphs, autocast=dtype, options=options)
@@ -174,11 +174,13 @@ def _variants(layers: int, device: torch.device, dtype: torch.dtype | None, galo
 
 
 def step_row(batch: int, seq: int, layers: int, device: torch.device, precision_name: str, quick: bool,
-             galore: bool = True, whole_compile: bool = True) -> dict[str, Any]:
-    """One row: every variant's first-call seconds, peak MiB and median step ms at one batch and precision."""
+             extras: Collection[str] = EXTRAS) -> dict[str, Any]:
+    """One row: every variant's first-call seconds, peak MiB and median step ms at one batch and precision
+    (the variants of every row and the `extras` named)."""
     torch._dynamo.reset()
+    galore = "GaLore" in extras
     with precision(precision_name, device) as dtype:
-        variants = _variants(layers, device, dtype, galore, whole_compile)
+        variants = _variants(layers, device, dtype, extras)
         any_model = next(iter(variants.values()))[0]
         ids, seg, mask = (t.to(device) for t in six_encoder.example_inputs(any_model, batch=batch, seq=seq))
         target = torch.randint(0, 3, (batch,), generator=torch.Generator().manual_seed(batch)).to(device)
@@ -289,8 +291,6 @@ def _breakdowns(variants: dict, args: tuple, ms: dict[str, float], layers: int, 
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    import platform
-
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
@@ -305,23 +305,19 @@ def resolve_device(name: str | torch.device) -> torch.device:
 
 
 def run(quick: bool = False, device: str | torch.device = "cuda", batches: tuple[int, ...] | None = None,
-        seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("fp32", "bf16"),
+        seq: int | None = None, layers: int | None = None, precisions: tuple[str, ...] = ("bf16", "fp32"),
         on_row: Callable[[dict], None] | None = None) -> list[dict]:
-    """A row per (precision, batch), each handed to `on_row` as soon as it is measured; sizes not given are
-    common.table_shape's."""
+    """A row per (precision, batch) in common.row_plan's order and with its extra variants, each handed to
+    `on_row` as soon as it is measured; sizes not given are common.table_shape's."""
     device = resolve_device(device)
     cuda = device.type == "cuda"
     shape = table_shape(quick, cuda)
     batches, seq, layers = batches or shape[0], seq or shape[1], layers or shape[2]
-    # GaLore at batch 1 only: its own claim (2x slower, 9x more memory than CoMERA) is at batch 1; the whole
-    # model compiled with compiled autograd (a long compile) at the smallest batch only
     rows = []
-    for p in precisions:
-        for b in batches:
-            rows.append(step_row(b, seq, layers, device, p, quick or not cuda, galore=b == min(batches),
-                                 whole_compile=b == min(batches)))
-            if on_row is not None:
-                on_row(rows[-1])
+    for p, b, extras in row_plan(tuple(batches), tuple(precisions)):
+        rows.append(step_row(b, seq, layers, device, p, quick or not cuda, extras))
+        if on_row is not None:
+            on_row(rows[-1])
     return rows
 
 
@@ -382,7 +378,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=sorted(PRECISIONS))
+    p.add_argument("--precisions", nargs="+", default=["bf16", "fp32"], choices=sorted(PRECISIONS))
     p.add_argument("--batches", nargs="+", type=int, default=None, help="batch sizes (default: 1 8 32 on CUDA)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file (after each row, so a "
                                                    "run cut short keeps the rows it finished)")

@@ -7,10 +7,11 @@ Such machines often have no network: nothing here installs or downloads anything
 
 Each row of the device step table (a precision and batch) runs in a process of its own, so a row that breaks
 its process's CUDA state (a failed graph capture does) cannot take the rows after it down; every part is
-kept under ``--out`` as it finishes.  Lent GPUs come with time limits: ``--budget SECONDS`` starts no row
-that would not fit, and ``--resume`` (the same command again) keeps what an earlier run finished and runs
-only the rest, so a check cut in parts still ends in one report.  The exit status is 0 only when the tests
-passed and every row was measured.
+kept under ``--out`` as it finishes.  Lent GPUs come with time limits: the rows run headline first
+(``common.row_plan``: bf16 at batch 8, then the other batches, then fp32) and the per-layer benchmarks after
+them; ``--budget SECONDS`` starts no part that would not fit, and ``--resume`` (the same command again)
+keeps what an earlier run finished and runs only the rest, so a check cut in parts still ends in one
+report.  The exit status is 0 only when the tests passed and every part was measured.
 
     python -m comera_compile.benchmarks.gpu_check [--device cuda|cpu] [--out DIR] [--quick] [--budget S]
                                                   [--resume]
@@ -36,55 +37,52 @@ __all__ = ["run_tests", "device_rows", "machine", "report_markdown", "main"]
 
 TEST_FILE_TIMEOUT_S = 1800
 FIRST_ROW_S = 120.0   # what a device row is assumed to take before one has been timed
+OTHER_BENCH_S = 60.0  # what the per-layer benchmarks after the table are assumed to take, each
 
 
 def device_rows(device: str, out: Path, quick: bool, deadline: float) -> dict[str, Any]:
     """The device step table, each (precision, batch) row measured by a child process into out/rows/ (a row
     already there is kept); a row is started only if the time to `deadline` (time.monotonic()) is at least
     the longest row so far.  Returns {"rows": [...], "missing": ["fp32 b32", ...]}."""
-    from .common import table_shape
-    from .device_step import PRECISIONS
+    from .common import row_plan, table_shape
 
-    batches = table_shape(quick, device == "cuda")[0]
     (out / "rows").mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     missing: list[str] = []
     longest = FIRST_ROW_S
-    for precision in PRECISIONS:
-        for batch in batches:
-            path = out / "rows" / f"{precision}_b{batch}.json"
-            left = deadline - time.monotonic()
-            if not path.exists() and left >= longest:
-                print(f"device_step {precision} b{batch} ...", flush=True)
-                cmd = [sys.executable, "-m", "comera_compile.benchmarks.gpu_check", "--device", device, "--out",
-                       str(out), "--row", precision, str(batch), *(["--quick"] if quick else [])]
-                t0 = time.monotonic()
-                try:
-                    done = subprocess.run(cmd, capture_output=True, text=True,
-                                          timeout=max(1.0, left) if left < float("inf") else None)
-                except subprocess.TimeoutExpired:   # cut at the budget: missing, for --resume, not failed
-                    done = None
-                longest = max(longest, time.monotonic() - t0)
-                if done is not None and not path.exists():
-                    rows.append({"benchmark": f"device_step {precision} b{batch}",
-                                 "error": f"exit {done.returncode}: {done.stderr[-1500:]}"})
-                    continue
-            if path.exists():
-                rows.append(json.loads(path.read_text()))
-            else:
-                missing.append(f"{precision} b{batch}")
+    for precision, batch, _ in row_plan(table_shape(quick, device == "cuda")[0]):
+        path = out / "rows" / f"{precision}_b{batch}.json"
+        left = deadline - time.monotonic()
+        if not path.exists() and left >= longest:
+            print(f"device_step {precision} b{batch} ...", flush=True)
+            cmd = [sys.executable, "-m", "comera_compile.benchmarks.gpu_check", "--device", device, "--out",
+                   str(out), "--row", precision, str(batch), *(["--quick"] if quick else [])]
+            t0 = time.monotonic()
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=max(1.0, left) if left < float("inf") else None)
+            except subprocess.TimeoutExpired:   # cut at the budget: missing, for --resume, not failed
+                done = None
+            longest = max(longest, time.monotonic() - t0)
+            if done is not None and not path.exists():
+                rows.append({"benchmark": f"device_step {precision} b{batch}",
+                             "error": f"exit {done.returncode}: {done.stderr[-1500:]}"})
+                continue
+        if path.exists():
+            rows.append(json.loads(path.read_text()))
+        else:
+            missing.append(f"{precision} b{batch}")
     return {"rows": rows, "missing": missing}
 
 
 def _measure_row(device: str, out: Path, quick: bool, precision: str, batch: int) -> int:
     """One row of the device step table, written to out/rows/ (the child process of device_rows)."""
-    from .common import table_shape
+    from .common import row_plan, table_shape
     from .device_step import format_rows, step_row
 
     batches, seq, layers = table_shape(quick, device == "cuda")
-    smallest = batch == min(batches)   # GaLore and the compiled-autograd step: the smallest batch only
-    row = step_row(batch, seq, layers, torch.device(device), precision, quick or device != "cuda",
-                   galore=smallest, whole_compile=smallest)
+    extras = next((e for p, b, e in row_plan(batches) if (p, b) == (precision, batch)), frozenset())
+    row = step_row(batch, seq, layers, torch.device(device), precision, quick or device != "cuda", extras)
     print(format_rows([row]), flush=True)
     (out / "rows" / f"{precision}_b{batch}.json").write_text(json.dumps(row, indent=1, default=str) + "\n")
     return 0
@@ -258,12 +256,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_bench:
         from .suite import DEVICE_SUITE
 
-        for name in DEVICE_SUITE:   # one at a time: a failure leaves the others' figures
+        # one at a time, the step table first (the figures the check is for): a failure leaves the others'
+        for name in sorted(DEVICE_SUITE, key=lambda n: n != "device_step"):
             if name == "device_step":
                 report["bench"][name] = device_rows(args.device, args.out, args.quick, deadline)
-                missing = report["bench"][name]["missing"]
+                missing = list(report["bench"][name]["missing"])
                 continue
             path = args.out / f"bench_{name}.json"
+            if not path.exists() and deadline - time.monotonic() < OTHER_BENCH_S:
+                missing.append(name)
+                continue
             if not path.exists():
                 try:
                     path.write_text(json.dumps(run_suite(quick=args.quick, only=[name], device=args.device)

@@ -376,6 +376,30 @@ def test_ra_teachers_cases_have_the_teachers_ranks_and_a_frontier():
     assert "found (1, " in T.format_rows([row])
 
 
+def test_row_plan_runs_the_headline_row_first_and_each_extra_where_it_answers_its_question():
+    """The device table's rows for a lent GPU's minutes: every (precision, batch) once, bf16 at batch 8 first,
+    GaLore at batch 1 only (its claim), the siblings apart in every bf16 row (batch_siblings' CUDA default),
+    combo kernels and the fixed order in the headline row alone; the variants built are the row's."""
+    from comera_compile.benchmarks.common import EXTRAS, row_plan
+    from comera_compile.benchmarks.device_step import _variants
+
+    plan = row_plan((1, 8, 32))
+    assert [(p, b) for p, b, _ in plan] == [("bf16", 8), ("bf16", 1), ("bf16", 32), ("fp32", 8), ("fp32", 1),
+                                            ("fp32", 32)]
+    extras = {(p, b): e for p, b, e in plan}
+    assert {k for k, e in extras.items() if "GaLore" in e} == {("bf16", 1), ("fp32", 1)}
+    assert {k for k, e in extras.items() if "CoMERA, compiled autograd" in e} == {("bf16", 1)}
+    assert {k for k, e in extras.items() if "CoMERA, whole-step graph, siblings apart" in e} == {
+        ("bf16", 1), ("bf16", 8), ("bf16", 32)}
+    assert {k for k, e in extras.items() if "CoMERA, fixed order" in e} == {("bf16", 8)} == {
+        k for k, e in extras.items() if "CoMERA, whole-step graph, combo kernels" in e}
+    assert set().union(*extras.values()) == set(EXTRAS)
+    assert [(p, b) for p, b, _ in row_plan((1, 2), ("fp32",))] == [("fp32", 2), ("fp32", 1)]
+    cpu = torch.device("cpu")
+    assert "CoMERA, fixed order" not in _variants(1, cpu, None, frozenset())
+    assert "CoMERA, fixed order" in _variants(1, cpu, None, {"CoMERA, fixed order"})
+
+
 def test_compiled_autograd_step_trains_as_eager_adamw():
     """The device bench's third whole-step mechanism (the step compiled as one function, its backward traced
     by compiled autograd) computes the eager AdamW steps."""
@@ -417,8 +441,7 @@ def test_gpu_check_keeps_finished_parts_and_says_what_a_budget_left_out(tmp_path
                "CoMERA ms": 2.0, "CoMERA first s": 1.0, "dense compiled ms": 3.0, "dense compiled first s": 1.0,
                "CoMERA vs dense compiled": 1.5, "best CoMERA": "CoMERA"}
     (tmp_path / "rows" / "fp32_b1.json").write_text(json.dumps(earlier))
-    for name in ("tt_linear", "embeddings"):
-        (tmp_path / f"bench_{name}.json").write_text(json.dumps({"rows": [{"benchmark": name, "ms": 1.0}]}))
+    (tmp_path / "bench_tt_linear.json").write_text(json.dumps({"rows": [{"benchmark": "tt_linear", "ms": 1.0}]}))
     tests = {"command": "pytest -m cuda", "returncode": 0, "seconds": 1.0, "passed": 3, "failed": 0, "errors": 0,
              "skipped": 0, "cases": []}
     (tmp_path / "tests.json").write_text(json.dumps(tests))
@@ -426,9 +449,11 @@ def test_gpu_check_keeps_finished_parts_and_says_what_a_budget_left_out(tmp_path
     assert gpu_check.main([*args, "--resume"]) == 3
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["tests"] == tests and report["bench"]["device_step"]["rows"] == [earlier]
-    assert report["bench"]["device_step"]["missing"] == ["fp32 b2", "bf16 b1", "bf16 b2"]
+    # headline row first (bf16 at the larger batch), fp32 after; the per-layer benches after the whole table
+    assert report["bench"]["device_step"]["missing"] == ["bf16 b2", "bf16 b1", "fp32 b2"]
+    assert "embeddings" not in report["bench"] and report["bench"]["tt_linear"]["rows"][0]["ms"] == 1.0
     md = (tmp_path / "report.md").read_text()
-    assert "Incomplete" in md and "fp32 b2, bf16 b1, bf16 b2" in md and "--resume" in md
+    assert "Incomplete" in md and "bf16 b2, bf16 b1, fp32 b2, embeddings" in md and "--resume" in md
     assert "CoMERA vs dense compiled **1.50x**" in md
     assert gpu_check.main([*args, "--skip-tests", "--skip-bench"]) == 0   # without --resume nothing is kept
     assert not (tmp_path / "rows" / "fp32_b1.json").exists() and not (tmp_path / "tests.json").exists()
