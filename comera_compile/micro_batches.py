@@ -1,10 +1,12 @@
 """A training step's call as compile_step runs it: its positional and keyword arguments as one flat tuple
-(``pack``), that tuple split into micro-batches along the batch dimension (``split_batch``), each weighed by
-its share of the label tokens where a transformers model computes a token-mean loss (``label_counts``; of
-every process's tokens under DDP or FSDP2, ``tokens_everywhere``), the gradient reduction of DDP and FSDP2
-held back until the last micro-batch (``gradient_sync_off``), and the gradients kept out of memory a CUDA
-graph replay reuses between micro-batches (``own_gradients``).  The step itself is
-comera_compile.step's; docs/method.md section 7 says why the batch is split inside the call."""
+(``pack``), that tuple split into micro-batches along the batch dimension (``split_batch``) and run forward
+and backward one after another (``accumulate``), each weighed as its loss needs (``resolve_weights``): by
+rows, added up, or by its share of the tokens of a token mean (``token_counts``: a loss_fn's target, or a
+transformers model's labels, ``label_counts``; of every process's tokens under DDP or FSDP2,
+``tokens_everywhere``), the gradient reduction of DDP and FSDP2 held back until the last micro-batch
+(``gradient_sync_off``), and the gradients kept out of memory a CUDA graph replay reuses between
+micro-batches (``own_gradients``).  The step itself is comera_compile.step's; docs/method.md section 7 says
+why the batch is split inside the call."""
 
 from __future__ import annotations
 
@@ -15,9 +17,108 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 
 __all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes",
-           "tokens_everywhere", "gradient_sync_off", "own_gradients"]
+           "tokens_everywhere", "gradient_sync_off", "own_gradients", "WEIGHTS", "resolve_weights", "token_counts",
+           "accumulate"]
 
-IGNORE_INDEX = -100   # transformers' label for a position no loss counts
+IGNORE_INDEX = -100   # transformers' label for a position no loss counts (and F.cross_entropy's default)
+WEIGHTS = (None, "rows", "tokens", "sum")   # compile_step's micro_batch_weights
+
+
+def _mean_ignoring(loss_fn: Any) -> int | None:
+    """The index a loss module averages around: an nn.CrossEntropyLoss or nn.NLLLoss taking the mean, without
+    class weights, averages over its target's entries other than its ignore_index; None for any other."""
+    if isinstance(loss_fn, (torch.nn.CrossEntropyLoss, torch.nn.NLLLoss)) and loss_fn.reduction == "mean" \
+            and loss_fn.weight is None:
+        return loss_fn.ignore_index
+    return None
+
+
+def resolve_weights(loss_fn: Any, weights: str | None) -> str:
+    """How compile_step weighs its micro-batches' losses: "rows" (each by its share of the rows), "tokens" (by
+    its share of the target entries a token mean counts), "labels" (a transformers model's own loss, loss_fn
+    None: by its share of the label tokens, else by rows) or "sum" (added as they are).  None chooses: "sum"
+    for a torch loss module that sums, "tokens" for nn.CrossEntropyLoss / nn.NLLLoss taking the mean, "labels"
+    without a loss_fn, else "rows".  A choice that cannot be right for loss_fn is a ValueError."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"micro_batch_weights={weights!r}: choose 'rows' (a loss averaging over rows), 'tokens' (a "
+                         f"mean over the target entries other than {IGNORE_INDEX}), 'sum' (a loss summing over the "
+                         f"batch) or None (chosen from loss_fn)")
+    reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, torch.nn.Module) else None
+    if weights == "tokens" and reduction == "sum" or weights == "sum" and reduction == "mean":
+        raise ValueError(f"micro_batch_weights={weights!r} with {type(loss_fn).__name__}(reduction={reduction!r}): "
+                         f"the loss {'sums' if reduction == 'sum' else 'averages'}, so its micro-batches "
+                         f"{'add up as they are' if reduction == 'sum' else 'weigh by their share'}; leave "
+                         f"micro_batch_weights to None")
+    if weights == "tokens" and getattr(loss_fn, "weight", None) is not None:
+        raise ValueError(f"micro_batch_weights='tokens' with {type(loss_fn).__name__}(weight=...): a class-weighted "
+                         f"mean divides by the weights of the targets, not by their count, which the micro-batches "
+                         f"cannot weigh; use micro_batches=1, or reduction='sum' and divide by the weights yourself")
+    if weights is not None:
+        return "labels" if weights == "tokens" and loss_fn is None else weights
+    if loss_fn is None:
+        return "labels"
+    if reduction == "sum":
+        return "sum"
+    return "tokens" if _mean_ignoring(loss_fn) is not None else "rows"
+
+
+def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: torch.nn.Module, loss_fn: Any,
+               micro_batches: int, weights: str, processes: int = 1, asked: bool = False,
+               between: Callable[[], None] | None = None) -> torch.Tensor:
+    """Forward and backward of a call's packed arguments `flat` in `micro_batches` parts, gradients added to
+    .grad; returns the whole batch's loss (detached).  ``fwd(*part)`` is a part's loss; each counts by
+    `weights` (resolve_weights), a token mean against every process's tokens where `processes` (DDP's or
+    FSDP2's, whose reduction waits for the last part) average the gradients.  ``between()`` runs after each
+    backward but the last; `asked`: the user chose the weighting (token_counts' errors)."""
+    parts = split_batch(flat, micro_batches, lambda i: named(flat, i)) if micro_batches > 1 else [(flat, 1.0)]
+    counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], chosen=asked)
+    tokens = torch.stack(counts).sum() if counts is not None else None
+    # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
+    spread = tokens is not None and processes > 1
+    everywhere = tokens_everywhere(tokens) if spread else None
+    total = None
+    for i, (part, share) in enumerate(parts):
+        last = i == len(parts) - 1
+        with contextlib.nullcontext() if last else gradient_sync_off(model):
+            loss = fwd(*part)
+            mean = weigh(loss, counts[i], tokens) if counts is not None else (   # this process's
+                loss if weights == "sum" else loss * share)
+            (weigh(loss, counts[i] * processes, everywhere) if spread else mean).backward()
+        if not last and between is not None:
+            between()
+        total = mean.detach() if total is None else total + mean.detach()
+    return total
+
+
+def token_counts(model: torch.nn.Module, loss_fn: Any, weights: str, calls: list[tuple[tuple, dict]],
+                 chosen: bool) -> list[torch.Tensor] | None:
+    """Each micro-batch's count of the tokens its token-mean loss averages over, from its (args, kwargs): the
+    target's entries (the last positional argument) other than loss_fn's ignore index (-100 for a plain
+    function) under "tokens", the label tokens under "labels"; None to weigh by rows.  Device tensors: nothing
+    is read on the host.  ``chosen``: the user asked for "tokens", so a call without them is an error."""
+    if weights == "labels":
+        counts = label_counts(model, [kw for _, kw in calls])
+        if counts is None and chosen:
+            raise ValueError("compile_step(micro_batch_weights='tokens') without a loss_fn counts a transformers "
+                             "model's label tokens, and this model is not one or the call passes no labels "
+                             "tensor; give a loss_fn (its target is counted), or micro_batch_weights='rows'")
+        return counts
+    if weights != "tokens":
+        return None
+    ignore = _mean_ignoring(loss_fn)
+    ignore = IGNORE_INDEX if ignore is None else ignore
+    counts = []
+    for args, _ in calls:
+        target = args[-1] if args else None
+        if (not isinstance(target, torch.Tensor) or target.dim() == 0) and not chosen:
+            return None
+        if not isinstance(target, torch.Tensor) or target.dim() == 0:
+            raise ValueError(f"compile_step(micro_batch_weights='tokens') counts the target's entries other than "
+                             f"{ignore}, and this call's target (its last positional argument) is "
+                             f"{type(target).__name__ if not isinstance(target, torch.Tensor) else 'a 0-dim tensor'}"
+                             f": pass the target as a tensor with the batch first, or micro_batch_weights='rows'")
+        counts.append(target.ne(ignore).sum())
+    return counts
 
 
 def pack(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:

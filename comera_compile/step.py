@@ -6,7 +6,6 @@ one by one are comera_compile.regional's.  docs/method.md section 7 has the meas
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -14,8 +13,7 @@ import torch
 
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
-from comera_compile.micro_batches import (averaging_processes, gradient_sync_off, label_counts, named, own_gradients,
-                                          pack, split_batch, tokens_everywhere, unpack, weigh)
+from comera_compile.micro_batches import accumulate, averaging_processes, own_gradients, pack, resolve_weights, unpack
 from comera_compile.regional import compile_blocks
 
 if TYPE_CHECKING:
@@ -72,7 +70,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                  options: dict[str, Any] | None = None, compile_optimizer: bool | None = None,
                  keep_memory: bool = True, regional: bool = True, mode: str | None = None,
                  autocast: torch.dtype | None = None, cuda_graphs: str | None = None, warmup: int = 2,
-                 rank_adaptive: "RankAdaptive | None" = None, micro_batches: int = 1) -> Callable[..., torch.Tensor]:
+                 rank_adaptive: "RankAdaptive | None" = None, micro_batches: int = 1,
+                 micro_batch_weights: str | None = None) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
     ``step(*inputs, target, **kwargs)`` returns the loss (detached) of ``loss_fn(model(*inputs, **kwargs),
@@ -125,16 +124,20 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     many micro-batches, run forward and backward one after another with their gradients added, then one
     optimizer step: the whole batch's update at the activation memory of one micro-batch.  Every tensor
     argument must have the batch as its first dimension (other arguments go to each micro-batch whole).
-    Each micro-batch's loss counts by its share of the rows, which gives the whole batch's loss and gradient
-    where loss_fn averages over rows (or over equally many elements per row); the call returns that loss.
-    A transformers model given ``labels`` (loss_fn None) averages over the label tokens that are not -100,
-    so there each micro-batch counts by its share of those (after the causal shift): padded batches too get
-    the whole batch's token mean.
+    Each micro-batch's loss counts so that the call returns the whole batch's loss and leaves its gradient
+    (``micro_batch_weights``): "rows", by its share of the rows, for a loss_fn averaging over rows (or over
+    equally many elements per row); "tokens", by its share of the target's entries other than -100 (the
+    ignore index), for a token mean such as a masked LM's or a padded batch's; "sum", added as it is, for a
+    loss summing over the batch.  None (the default) chooses from loss_fn: "tokens" for nn.CrossEntropyLoss
+    or nn.NLLLoss taking the mean (their own ignore_index), "sum" for a torch loss with reduction "sum",
+    "rows" for any other function.  A transformers model given ``labels`` (loss_fn None) averages over the
+    label tokens that are not -100, so there each micro-batch counts by its share of those (after the causal
+    shift): padded batches too get the whole batch's token mean.
     Under DistributedDataParallel or FSDP2 the gradients are reduced once, in the last micro-batch's
     backward; with cuda_graphs="step" all micro-batches are in the one captured graph.  There such a token
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
-    the gradient of the global batch's token mean, one all-reduce of the counts per call; each process's
-    call returns its own batch's token mean."""
+    the gradient of the global batch's token mean, one all-reduce of the counts per call (for a loss_fn's
+    "tokens" too); each process's call returns its own batch's token mean."""
     from comera_compile.optim import FAST_KEY, prefer_fast_implementation
 
     if cuda_graphs not in CUDA_GRAPHS:
@@ -142,6 +145,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: give a whole number >= 1 (1, the default, runs each "
                          f"call's batch at once)")
+    weights = resolve_weights(loss_fn, micro_batch_weights)
     if rank_adaptive is not None and rank_adaptive.optimizer is None:
         rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
     kwargs: dict[str, Any] = {"options": options} if options else {}
@@ -194,7 +198,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         opt_step = optimizer.step
 
     # processes whose gradients DDP or FSDP2 averages: a token-mean loss counts every process's tokens
-    processes = averaging_processes(model) if loss_fn is None else 1
+    processes = averaging_processes(model) if weights in ("tokens", "labels") else 1
 
     def forward_backward(*args: Any) -> torch.Tensor:
         """The call's loss, its gradients added to .grad: the whole batch at once, or micro-batch by
@@ -204,24 +208,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
             loss = fwd(*args)
             loss.backward()
             return loss
-        parts = split_batch(args, micro_batches, lambda i: named(args, i)) if micro_batches > 1 else [(args, 1.0)]
-        counts = label_counts(model, [unpack(part)[1] for part, _ in parts]) if loss_fn is None else None
-        tokens = torch.stack(counts).sum() if counts is not None else None
-        # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
-        spread = tokens is not None and processes > 1
-        everywhere = tokens_everywhere(tokens) if spread else None
-        total = None
-        for i, (part, share) in enumerate(parts):
-            last = i == len(parts) - 1
-            with contextlib.nullcontext() if last else gradient_sync_off(model):
-                loss = fwd(*part)
-                mean = loss * share if counts is None else weigh(loss, counts[i], tokens)   # this process's
-                (weigh(loss, counts[i] * processes, everywhere) if spread else mean).backward()
-            if not last and on_cuda and not whole and chosen != "off":
-                # a graph tree's next replay reuses the memory its backward wrote .grad into: keep a copy
-                own_gradients(model, owned)
-            total = mean.detach() if total is None else total + mean.detach()
-        return total
+        # a graph tree's next replay reuses the memory a backward wrote .grad into: keep a copy between parts
+        keep = (lambda: own_gradients(model, owned)) if on_cuda and not whole and chosen != "off" else None
+        return accumulate(fwd, args, model, loss_fn, micro_batches, weights, processes,
+                          asked=micro_batch_weights is not None, between=keep)
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
 

@@ -250,31 +250,49 @@ def _llama() -> nn.Module:
     return cc.tensorize(model, rank=6, min_features=32).double()
 
 
-def _token_mean_worker(rank: int, world: int, port: int, out: str, micro_batches: int) -> None:
+class _ShiftedLogits(nn.Module):
+    """A causal LM's logits for positions 0..n-2, laid out (rows, vocabulary, positions) as nn.CrossEntropyLoss
+    takes them against the labels of positions 1..n-1: the model's own loss, computed by a loss_fn."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, attention_mask=mask).logits[:, :-1].transpose(1, 2)
+
+
+def _token_mean_worker(rank: int, world: int, port: int, out: str, micro_batches: int, loss: str) -> None:
     import comera_compile as cc
 
     with _process_group(rank, world, port):
-        ddp = nn.parallel.DistributedDataParallel(_llama())
-        step = cc.compile_step(ddp, None, torch.optim.SGD(ddp.parameters(), lr=0.5), backend="eager",
-                               micro_batches=micro_batches)
+        lm = _llama()
+        ddp = nn.parallel.DistributedDataParallel(lm if loss == "model" else _ShiftedLogits(lm))
+        step = cc.compile_step(ddp, None if loss == "model" else nn.CrossEntropyLoss(),
+                               torch.optim.SGD(ddp.parameters(), lr=0.5), backend="eager", micro_batches=micro_batches)
         per = 8 // world
-        losses = [step(**{k: v[rank * per:(rank + 1) * per] for k, v in batch.items()})
-                  for batch in _padded_llama_batches()]
-        torch.save({"params": [p.detach() for p in ddp.module.parameters()], "losses": losses}, f"{out}.{rank}")
+        losses = []
+        for batch in _padded_llama_batches():
+            half = {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+            losses.append(step(**half) if loss == "model" else
+                          step(half["input_ids"], half["attention_mask"], half["labels"][:, 1:]))
+        torch.save({"params": [p.detach() for p in lm.parameters()], "losses": losses}, f"{out}.{rank}")
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_token_mean(micro_batches, tmp_path):
+@pytest.mark.parametrize("micro_batches,loss", [(1, "model"), (2, "model"), (2, "loss_fn")])
+def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_token_mean(micro_batches, loss,
+                                                                                           tmp_path):
     """A transformers model computing its own token-mean loss, under DDP in two processes whose halves of each
     padded batch hold different numbers of label tokens (12 against 55): compile_step (at 1 and 2
     micro-batches) counts every process's tokens, as the transformers Trainer does, so both processes end
     with the parameters of one process's eager SGD steps on the whole batch, and each process's call returns
     its own half's token mean (1e-6: transformers computes the loss in float32 even for a float64 model).  The
-    mean of the two halves' token means, DDP's plain average, is another gradient."""
+    mean of the two halves' token means, DDP's plain average, is another gradient.  The same loss as a loss_fn
+    (nn.CrossEntropyLoss of the shifted logits and labels) counts the same tokens."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "tokens")
-    mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches), nprocs=2, join=True)
+    mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -282,7 +300,7 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
         for r, half in enumerate((slice(0, 4), slice(4, 8))):
             with torch.no_grad():
                 want = model(**{k: v[half] for k, v in batch.items()}).loss
-            torch.testing.assert_close(results[r]["losses"][step], want, rtol=1e-6, atol=0)
+            torch.testing.assert_close(results[r]["losses"][step], want, rtol=1e-6, atol=0, check_dtype=False)
         model(**batch).loss.backward()
         opt.step()
         opt.zero_grad()

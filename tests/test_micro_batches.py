@@ -179,3 +179,109 @@ def test_micro_batches_of_a_padded_transformers_batch_make_its_token_mean(family
     # transformers computes the loss in float32 (its logits upcast), the gradients in float64
     _assert_trains_as_eager(step, model, ref, ref_opt, [((), batch) for batch in batches],
                             lambda **batch: ref(**batch).loss, loss_tol=(1e-6, 1e-7))
+    rows = _transformers_model(family)
+    by_rows = cc.compile_step(rows, None, _optimizer(rows), backend="eager", micro_batches=3,
+                              micro_batch_weights="rows")
+    for batch in batches:
+        by_rows(**batch)
+    assert max(float((p - q).detach().abs().max()) for p, q in zip(rows.parameters(), ref.parameters())) > 1e-4
+
+
+class _PerToken(nn.Module):
+    """BlockNet on every position of a (rows, positions, 16) batch, its logits laid out (rows, 5, positions)
+    as nn.CrossEntropyLoss takes a sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x).transpose(1, 2)
+
+
+def _padded_calls(seed: int) -> list:
+    """Three batches of 6 rows x 8 positions whose targets are -100 (ignored) past each row's length: rows 0
+    and 1 hold most of the tokens, so micro-batches of two rows hold very different counts."""
+    g = torch.Generator().manual_seed(seed)
+    calls = []
+    for _ in range(3):
+        x = torch.randn(6, 8, 16, generator=g, dtype=torch.float64)
+        lengths = torch.tensor([8, 7, 1, 2, 1, 3])
+        y = torch.randint(0, 5, (6, 8), generator=g).masked_fill(torch.arange(8) >= lengths[:, None], -100)
+        calls.append(((x, y), {}))
+    return calls
+
+
+@pytest.mark.parametrize("case", ["CrossEntropyLoss", "function, tokens", "sum"])
+def test_micro_batches_of_a_token_mean_loss_fn_make_the_whole_batch_mean(case):
+    """A loss_fn averaging over the target's entries other than -100 (a padded or masked batch): with
+    nn.CrossEntropyLoss the micro-batches weigh by their share of those tokens by default, a plain function
+    does with micro_batch_weights="tokens", and a summing loss adds its micro-batches up; each call returns
+    the whole batch's loss and leaves the parameters of an eager AdamW step on it (float64).  Weighing by rows
+    instead (what a plain function gets by default) leaves other parameters."""
+    loss_fn, weights = {"CrossEntropyLoss": (nn.CrossEntropyLoss(), None),
+                        "function, tokens": (lambda out, y: F.cross_entropy(out, y), "tokens"),
+                        "sum": (nn.CrossEntropyLoss(reduction="sum"), None)}[case]
+    ref = _PerToken()
+    ref_opt = _optimizer(ref)
+    model = _PerToken()
+    step = cc.compile_step(model, loss_fn, _optimizer(model), backend="eager", micro_batches=3,
+                           micro_batch_weights=weights)
+    _assert_trains_as_eager(step, model, ref, ref_opt, _padded_calls(6), lambda x, y: loss_fn(ref(x), y))
+    if case == "sum":
+        return
+    rows = _PerToken()
+    by_rows = cc.compile_step(rows, loss_fn, _optimizer(rows), backend="eager", micro_batches=3,
+                              micro_batch_weights="rows")
+    for args, _ in _padded_calls(6):
+        by_rows(*args)
+    gap = max(float((p - q).detach().abs().max()) for p, q in zip(rows.parameters(), ref.parameters()))
+    assert gap > 1e-4
+
+
+def test_micro_batch_weights_that_cannot_be_right_are_refused():
+    """A weighting that is not one of the four, or that contradicts the loss module (tokens or rows for a sum,
+    a sum for a mean, a token count for a class-weighted mean), is refused when the step is built; "tokens"
+    with a target that is not a tensor, or without a loss_fn on a model that is not transformers', at the
+    call, before any forward."""
+    model = _PerToken()
+    opt = _optimizer(model)
+    with pytest.raises(ValueError, match="micro_batch_weights='mean': choose 'rows'"):
+        cc.compile_step(model, nn.CrossEntropyLoss(), opt, micro_batches=2, micro_batch_weights="mean")
+    with pytest.raises(ValueError, match=r"reduction='sum'\): the loss sums.*add up as they are"):
+        cc.compile_step(model, nn.CrossEntropyLoss(reduction="sum"), opt, micro_batches=2, micro_batch_weights="tokens")
+    with pytest.raises(ValueError, match=r"reduction='mean'\): the loss averages"):
+        cc.compile_step(model, nn.MSELoss(), opt, micro_batches=2, micro_batch_weights="sum")
+    with pytest.raises(ValueError, match="class-weighted mean"):
+        cc.compile_step(model, nn.CrossEntropyLoss(weight=torch.ones(5, dtype=torch.float64)), opt, micro_batches=2,
+                        micro_batch_weights="tokens")
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 8, 16, dtype=torch.float64)
+    step = cc.compile_step(model, lambda out, scale: out.square().mean() * scale, opt, backend="eager",
+                           micro_batches=2, micro_batch_weights="tokens")
+    with pytest.raises(ValueError, match="target .*is float: pass the target as a tensor"):
+        step(x, 2.0)
+    step = cc.compile_step(model, None, opt, backend="eager", micro_batches=2, micro_batch_weights="tokens")
+    with pytest.raises(ValueError, match="is not one or the call passes no labels"):
+        step(x)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(2, 12), positions=st.integers(1, 6), parts=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_token_weights_make_the_token_mean_of_any_padding(rows, positions, parts, seed):
+    """For any batch whose targets hold -100 anywhere (rows with none left too), the micro-batches' token
+    means weighed by micro_batches.token_counts make the whole batch's token mean (float64)."""
+    from comera_compile.micro_batches import token_counts, weigh
+
+    parts = min(parts, rows)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, 5, positions, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (rows, positions), generator=g).masked_fill(
+        torch.rand(rows, positions, generator=g) < 0.5, -100)
+    y[0, 0] = 1   # at least one token in the batch
+    pieces = split_batch((logits, y), parts)
+    counts = token_counts(nn.Module(), nn.CrossEntropyLoss(), "tokens", [(p, {}) for p, _ in pieces], chosen=False)
+    total = torch.stack(counts).sum()
+    got = sum(weigh(F.cross_entropy(p[0], p[1]), c, total) for (p, _), c in zip(pieces, counts))
+    torch.testing.assert_close(got, F.cross_entropy(logits, y), rtol=1e-12, atol=1e-12)
