@@ -66,6 +66,7 @@ class DemoConfig:
     minutes: float | None = 3.25
     steps: int | None = None  # at most this many steps per model (with minutes None: exactly this many)
     batch: int = 8
+    micro_batches: int = 1  # gradient accumulation: each process's rows of a step run in this many parts
     seq_len: int = 128
     vocab_size: int = 2048
     rank: int | None = None  # None: the size's rank
@@ -116,6 +117,11 @@ class DemoConfig:
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
+            (self.micro_batches >= 1, f"--micro-batches must be at least 1, got {self.micro_batches}"),
+            (self.micro_batches <= 1 or self.batch % (processes * self.micro_batches) == 0,
+             f"--batch {self.batch} over {processes} process(es) and {self.micro_batches} micro-batch(es) per step "
+             f"leaves micro-batches of unequal size; give a --batch that is a multiple of "
+             f"{processes * self.micro_batches}, or another --micro-batches"),
             (self.seq_len >= 8, f"--seq-len must be at least 8 (15% of it is masked), got {self.seq_len}"),
             (self.vocab_size >= 256 + len(SPECIAL_TOKENS),
              f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (the 256 byte symbols and "

@@ -129,7 +129,9 @@ def format_table(result: dict[str, Any]) -> str:
     where = result['device'] if result.get('device', 'cpu') != 'cpu' else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes ({cfg.get('parallel', 'ddp').upper()})"
-    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens in "
+    parts = cfg.get("micro_batches", 1)
+    accumulated = f" (each in {parts} micro-batches, gradients accumulated)" if parts > 1 else ""
+    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated} in "
                  f"{precision_words(result['runs']['dense'])}; size "
                  f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "

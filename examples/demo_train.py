@@ -20,6 +20,7 @@ from torch import nn
 from comera_compile.examples.code_data import mask_batch
 from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
 from comera_compile.examples.demo_report import step_figures
+from comera_compile.micro_batches import accumulate, pack, unpack
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -157,18 +158,28 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
 
     def make_step() -> Callable[..., Any]:
         """cc.compile_step: the encoder layers compiled one by one (one compiled layer serves them all) and,
-        on one GPU, the whole step replayed as one CUDA graph where it can be ("auto"); or an eager step."""
+        on one GPU, the whole step replayed as one CUDA graph where it can be ("auto"); or an eager step.
+        Either runs each step's rows in cfg.micro_batches forward and backward passes."""
         if backend is not None:
             graphs = "auto" if device.type == "cuda" and world.size == 1 else None
             # FSDP2's hooks around each layer are not traced: a graph break there, the layer compiled between
             sharded = world.size > 1 and world.parallel == "fsdp"
+            # every block predicts as many masked tokens (mask_batch), so micro-batches weigh by rows
             return cc.compile_step(forward, loss_fn, opt, backend=backend, fullgraph=not sharded, autocast=dtype,
-                                   cuda_graphs=graphs)
+                                   cuda_graphs=graphs, micro_batches=cfg.micro_batches)
+
+        def part_loss(*flat: Any) -> torch.Tensor:
+            (inputs, positions, labels), _ = unpack(flat)
+            with autocast():
+                return loss_fn(forward(inputs, positions), labels)
 
         def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with autocast():
-                loss = loss_fn(forward(inputs, positions), labels)
-            loss.backward()
+            if cfg.micro_batches > 1:   # the accumulation compile_step runs, uncompiled
+                loss = accumulate(part_loss, pack((inputs, positions, labels), {}), forward, loss_fn,
+                                  cfg.micro_batches, "rows")
+            else:
+                loss = part_loss(*pack((inputs, positions, labels), {}))
+                loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             return loss.detach()
@@ -214,8 +225,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
         inputs, positions, labels = (t[rows].to(device, non_blocking=True) for t in next(stream))
-        if first_batch is None:
-            first_batch = (inputs, positions, labels)
+        if first_batch is None:   # its first micro-batch: what one forward and backward hold at once
+            first_batch = tuple(t[:t.shape[0] // cfg.micro_batches] for t in (inputs, positions, labels))
         sync()
         t0 = time.perf_counter()
         task = step_fn(inputs, positions, labels)

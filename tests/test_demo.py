@@ -184,6 +184,8 @@ def test_bad_data_dirs_say_what_to_do(tmp_path, setup, message):
     ({"target_ratio": 1.5}, "--target-ratio"), ({"minutes": 0}, "--minutes"),
     ({"minutes": None, "steps": None}, "--minutes.*or --steps"), ({"dense_lr": -1.0}, "--dense-lr"),
     ({"evals": 0}, "--evals"), ({"precision": "tf32"}, "--precision tf32 is a mode of CUDA"),
+    ({"micro_batches": 0}, "--micro-batches must be at least 1"),
+    ({"batch": 6, "micro_batches": 4}, "--batch 6 .* 4 micro-batch.*a multiple of 4"),
     ({"precision": "fp16"}, "--precision must be one of fp32, tf32, bf16"),
 ])
 def test_bad_sizes_are_rejected_with_the_option_named(override, message):
@@ -265,6 +267,23 @@ def test_step_budget_runs_exactly_its_steps(tiny_data):
     assert r["steps"] == 5 and [e["step"] for e in r["evals"]] == [2, 5]  # round(5 / 2) and the end
     assert r["active_tt_params_start"] >= r["active_tt_params_end"] > 0
 
+
+
+@pytest.mark.parametrize("name", ["dense", "comera"])
+def test_micro_batches_train_as_the_whole_batch(tiny_data, name):
+    """--micro-batches 2: each step's batch in two forward and backward passes, each weighed by its share of
+    the rows (every block predicts as many masked tokens, so that is its share of the loss's tokens): the
+    losses and the trained parameters are those of the whole batch at once (eager steps; the compiled
+    step's accumulation is tests/test_micro_batches.py's)."""
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=3, evals=1, compile=False)
+    models = code_mlm.build_models(cfg, data.vocab_size)
+    model = models[0] if name == "dense" else models[1]
+    whole = demo_train.train_one(name, copy.deepcopy(model), cfg, data, 10_000)
+    parts = demo_train.train_one(name, model, replace(cfg, micro_batches=2), data, 10_000)
+    torch.testing.assert_close(torch.tensor(parts["history"]["loss"]), torch.tensor(whole["history"]["loss"]),
+                               rtol=1e-5, atol=1e-6)
+    assert parts["heldout_loss"] == pytest.approx(whole["heldout_loss"], rel=1e-4)
 
 
 def test_the_compiled_step_trains_the_same_with_the_whole_step_captured(tiny_data, monkeypatch):

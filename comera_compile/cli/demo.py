@@ -10,8 +10,8 @@ from comera_compile.cli.launch import add_config_options, given_options, train
 CUDA_DEMO_BATCH = 32   # demo --device cuda: the paper's MNLI batch, unless --batch says otherwise
 
 # Options of `demo` that map one to one onto DemoConfig fields (None: the preset's value).
-_DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "seq_len", "vocab_size", "rank", "lr", "dense_lr",
-                 "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
+_DEMO_OPTIONS = ("data", "out", "size", "minutes", "steps", "batch", "micro_batches", "seq_len", "vocab_size", "rank",
+                 "lr", "dense_lr", "warmup_steps", "target_ratio", "cut_every", "evals", "eval_blocks", "seed", "max_bytes",
                  "dense_backend", "device", "parallel", "precision")
 
 
@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
             ("--steps", int, "training steps per model (alone: the budget; with --minutes: a cap)"),
             ("--batch", int, "sequences per step"),
+            ("--micro-batches", int, "gradient accumulation: each step's sequences (each process's) in this many "
+                                     "forward and backward passes, one optimizer step: --batch's update at the "
+                                     "memory of a part"),
             ("--seq-len", int, "tokens per sequence"),
             ("--vocab-size", int, "BPE vocabulary trained on the data"),
             ("--rank", int, "initial TT rank of the CoMERA encoder (default: the size's)"),
