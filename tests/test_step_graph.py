@@ -162,19 +162,29 @@ class WithLoss(nn.Module):
         return F.cross_entropy(self.net(x), labels)
 
 
-def test_micro_batches_are_captured_in_the_one_whole_step_graph(monkeypatch):
+@pytest.mark.parametrize("loss", ["model", "loss_fn"])
+def test_micro_batches_are_captured_in_the_one_whole_step_graph(monkeypatch, loss):
     """compile_step(model, None, cuda_graphs="step", micro_batches=3) called as step(x, labels=y): the three
     forward and backward passes, the gradients they add up (allocated by the first in the capture) and the
     one AdamW step are one graph, captured once and replayed: the losses and parameters of eager steps on the
-    whole batch."""
+    whole batch.  With nn.CrossEntropyLoss as loss_fn and targets of which a third are -100 (ignored), the
+    micro-batches weigh by their tokens inside the capture, reading nothing on the host."""
     ref = _net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.01)
     model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sim = SimulatedGraphs(model, opt)
     monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
-    step = cc.compile_step(WithLoss(model), None, opt, backend="eager", cuda_graphs="step", micro_batches=3)
-    losses, ref_losses = _train_both(lambda x, y: step(x, labels=y), _eager_step(ref, ref_opt), _batches(7))
+    batches = _batches(7)
+    if loss == "model":
+        step = cc.compile_step(WithLoss(model), None, opt, backend="eager", cuda_graphs="step", micro_batches=3)
+        call = lambda x, y: step(x, labels=y)  # noqa: E731
+    else:
+        step = call = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", cuda_graphs="step",
+                                      micro_batches=3)
+        g = torch.Generator().manual_seed(4)
+        batches = [(x, y.masked_fill(torch.rand(y.shape, generator=g) < 0.34, -100)) for x, y in batches]
+    losses, ref_losses = _train_both(call, _eager_step(ref, ref_opt), batches)
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5) and sim.captured == 1
