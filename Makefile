@@ -13,10 +13,15 @@ GPU_PYTHON ?= python3
 GPU_DEVICE ?= cuda
 GPU_REPORT ?= gpu-check
 GPU_ARGS ?=
+# make gpu-pretrain: the 60M preset on a GPU machine's text (its python's site-packages unless GPU_DATA says),
+# resumable: each method's run is kept in GPU_PRETRAIN_OUT as it finishes, and the same command trains the rest.
+GPU_DATA ?= $(shell $(GPU_PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+GPU_PRETRAIN_OUT ?= runs/gpu-pretrain
+GPU_PRETRAIN_ARGS ?= --preset 60m --methods dense,comera --steps 6104 --max-bytes 200000000
 # make test: pytest-xdist workers (2: the CI machine's cores; each takes its share of torch's threads)
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-slow test-device test-torch gpu-check demo inspect bench bench-quick clean
+.PHONY: install test test-slow test-device test-torch gpu-check gpu-pretrain demo inspect bench bench-quick clean
 
 install: $(STAMP)
 
@@ -43,6 +48,11 @@ gpu-check:  # wheels in .whl/ (galore-torch, bitsandbytes, ...) are installed fi
 	if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install --quiet --no-index --no-deps .whl/*.whl; fi
 	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
 	$(GPU_PYTHON) -m comera_compile.benchmarks.gpu_check --device $(GPU_DEVICE) --out $(GPU_REPORT) $(GPU_ARGS)
+
+gpu-pretrain:  # 6,104 steps of 32 x 256 tokens: 50M tokens per method
+	$(GPU_PYTHON) -m pip install --quiet --no-index --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m comera_compile pretrain --device $(GPU_DEVICE) --data $(GPU_DATA) --out $(GPU_PRETRAIN_OUT) \
+		--resume --no-progress $(GPU_PRETRAIN_ARGS)
 
 test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
 	$(PY) -m pytest -m slow -q || test $$? -eq 5
