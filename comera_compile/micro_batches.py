@@ -44,11 +44,11 @@ def resolve_weights(loss_fn: Any, weights: str | None) -> str:
                          f"mean over the target entries other than {IGNORE_INDEX}), 'sum' (a loss summing over the "
                          f"batch) or None (chosen from loss_fn)")
     reduction = getattr(loss_fn, "reduction", None) if isinstance(loss_fn, torch.nn.Module) else None
-    if weights == "tokens" and reduction == "sum" or weights == "sum" and reduction == "mean":
+    if reduction == "sum" and weights in ("rows", "tokens") or reduction == "mean" and weights == "sum":
         raise ValueError(f"micro_batch_weights={weights!r} with {type(loss_fn).__name__}(reduction={reduction!r}): "
                          f"the loss {'sums' if reduction == 'sum' else 'averages'}, so its micro-batches "
                          f"{'add up as they are' if reduction == 'sum' else 'weigh by their share'}; leave "
-                         f"micro_batch_weights to None")
+                         f"micro_batch_weights at None")
     if weights == "tokens" and getattr(loss_fn, "weight", None) is not None:
         raise ValueError(f"micro_batch_weights='tokens' with {type(loss_fn).__name__}(weight=...): a class-weighted "
                          f"mean divides by the weights of the targets, not by their count, which the micro-batches "

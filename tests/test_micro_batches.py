@@ -250,6 +250,8 @@ def test_micro_batch_weights_that_cannot_be_right_are_refused():
         cc.compile_step(model, nn.CrossEntropyLoss(), opt, micro_batches=2, micro_batch_weights="mean")
     with pytest.raises(ValueError, match=r"reduction='sum'\): the loss sums.*add up as they are"):
         cc.compile_step(model, nn.CrossEntropyLoss(reduction="sum"), opt, micro_batches=2, micro_batch_weights="tokens")
+    with pytest.raises(ValueError, match=r"reduction='sum'\): the loss sums"):
+        cc.compile_step(model, nn.MSELoss(reduction="sum"), opt, micro_batches=2, micro_batch_weights="rows")
     with pytest.raises(ValueError, match=r"reduction='mean'\): the loss averages"):
         cc.compile_step(model, nn.MSELoss(), opt, micro_batches=2, micro_batch_weights="sum")
     with pytest.raises(ValueError, match="class-weighted mean"):
