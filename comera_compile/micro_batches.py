@@ -11,6 +11,7 @@ why the batch is split inside the call."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -18,7 +19,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 
 __all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes",
            "tokens_everywhere", "gradient_sync_off", "own_gradients", "WEIGHTS", "resolve_weights", "token_counts",
-           "accumulate"]
+           "accumulate", "check_row_weights"]
 
 IGNORE_INDEX = -100   # transformers' label for a position no loss counts (and F.cross_entropy's default)
 WEIGHTS = (None, "rows", "tokens", "sum")   # compile_step's micro_batch_weights
@@ -88,6 +89,18 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
             between()
         total = mean.detach() if total is None else total + mean.detach()
     return total
+
+
+def check_row_weights(target: Any, micro_batches: int) -> None:
+    """Warn where micro-batches weighed by rows by default meet a target holding -100, a token mean's ignore
+    index: a loss_fn averaging over the other entries would get another gradient than the whole batch's.
+    compile_step calls it at its first call only (one host read, before anything is captured)."""
+    if isinstance(target, torch.Tensor) and not target.is_floating_point() and bool(target.eq(IGNORE_INDEX).any()):
+        warnings.warn(f"compile_step(micro_batches={micro_batches}) weighs each micro-batch's loss by its share of "
+                      f"the rows, and the target holds {IGNORE_INDEX} entries (an ignore index): if loss_fn "
+                      f"averages over the other entries (a token mean, as cross-entropy over padding is), pass "
+                      f"micro_batch_weights='tokens' for the whole batch's gradient; if it averages over rows, "
+                      f"pass micro_batch_weights='rows' to silence this", stacklevel=3)
 
 
 def token_counts(model: torch.nn.Module, loss_fn: Any, weights: str, calls: list[tuple[tuple, dict]],

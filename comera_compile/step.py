@@ -13,7 +13,8 @@ import torch
 
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
-from comera_compile.micro_batches import accumulate, averaging_processes, own_gradients, pack, resolve_weights, unpack
+from comera_compile.micro_batches import (accumulate, averaging_processes, check_row_weights, own_gradients, pack,
+                                          resolve_weights, unpack)
 from comera_compile.regional import compile_blocks
 
 if TYPE_CHECKING:
@@ -130,9 +131,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     ignore index), for a token mean such as a masked LM's or a padded batch's; "sum", added as it is, for a
     loss summing over the batch.  None (the default) chooses from loss_fn: "tokens" for nn.CrossEntropyLoss
     or nn.NLLLoss taking the mean (their own ignore_index), "sum" for a torch loss with reduction "sum",
-    "rows" for any other function.  A transformers model given ``labels`` (loss_fn None) averages over the
-    label tokens that are not -100, so there each micro-batch counts by its share of those (after the causal
-    shift): padded batches too get the whole batch's token mean.
+    "rows" for any other function (its first call warns where the target holds -100).  A transformers model
+    given ``labels`` (loss_fn None) averages over the label tokens that are not -100, so there each
+    micro-batch counts by its share of those (after the causal shift): padded batches too get the whole
+    batch's token mean.
     Under DistributedDataParallel or FSDP2 the gradients are reduced once, in the last micro-batch's
     backward; with cuda_graphs="step" all micro-batches are in the one captured graph.  There such a token
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
@@ -249,11 +251,18 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
 
     from torch._dynamo.utils import counters
 
+    # rows chosen by default for a function of the user's: its first call says so if the target looks padded
+    unchecked = loss_fn is not None and micro_batches > 1 and micro_batch_weights is None and weights == "rows"
+
     def step(*args: Any, **kw: Any) -> torch.Tensor:
+        nonlocal unchecked
         if loss_fn is not None and not args:
             raise TypeError("step(*inputs, target, **kwargs): the last positional argument is loss_fn's target, and "
                             "this call has none; pass it, or build the step with loss_fn=None where the model "
                             "computes its own loss (transformers' models given labels)")
+        if unchecked:
+            unchecked = False
+            check_row_weights(args[-1], micro_batches)
         before = _compile_marks(step.graph, counters)
         try:
             loss = inner(*pack(args, kw))

@@ -239,6 +239,32 @@ def test_micro_batches_of_a_token_mean_loss_fn_make_the_whole_batch_mean(case):
     assert gap > 1e-4
 
 
+def test_a_padded_target_weighed_by_rows_by_default_is_said_once():
+    """A function of the user's as loss_fn (weighed by rows by default) whose target holds -100 entries: the
+    first call warns once, at the caller's line, naming micro_batch_weights='tokens'; asking for rows, or a
+    loss module that weighs by tokens itself, says nothing, nor does a target without -100."""
+    import warnings
+
+    calls = _padded_calls(6)
+    model = _PerToken()
+    step = cc.compile_step(model, lambda out, y: F.cross_entropy(out, y), _optimizer(model), backend="eager",
+                           micro_batches=3)
+    with pytest.warns(UserWarning, match="holds -100 entries.*micro_batch_weights='tokens'") as said:
+        step(*calls[0][0])
+    assert len(said) == 1 and said[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(*calls[1][0])   # once
+        for loss_fn, weights in ((lambda out, y: F.cross_entropy(out, y), "rows"), (nn.CrossEntropyLoss(), None)):
+            quiet = cc.compile_step(model, loss_fn, _optimizer(model), backend="eager", micro_batches=3,
+                                    micro_batch_weights=weights)
+            quiet(*calls[2][0])
+        unpadded = cc.compile_step(model, lambda out, y: F.cross_entropy(out, y), _optimizer(model), backend="eager",
+                                   micro_batches=3)
+        x, y = calls[0][0]
+        unpadded(x, y.clamp(min=0))
+
+
 def test_micro_batch_weights_that_cannot_be_right_are_refused():
     """A weighting that is not one of the four, or that contradicts the loss module (tokens or rows for a sum,
     a sum for a mean, a token count for a class-weighted mean), is refused when the step is built; "tokens"
