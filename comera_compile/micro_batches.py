@@ -72,7 +72,7 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
     FSDP2's, whose reduction waits for the last part) average the gradients.  ``between()`` runs after each
     backward but the last; `asked`: the user chose the weighting (token_counts' errors)."""
     parts = split_batch(flat, micro_batches, lambda i: named(flat, i)) if micro_batches > 1 else [(flat, 1.0)]
-    counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], chosen=asked)
+    counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], asked=asked)
     tokens = torch.stack(counts).sum() if counts is not None else None
     # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
     spread = tokens is not None and processes > 1
@@ -104,14 +104,14 @@ def check_row_weights(target: Any, micro_batches: int) -> None:
 
 
 def token_counts(model: torch.nn.Module, loss_fn: Any, weights: str, calls: list[tuple[tuple, dict]],
-                 chosen: bool) -> list[torch.Tensor] | None:
+                 asked: bool) -> list[torch.Tensor] | None:
     """Each micro-batch's count of the tokens its token-mean loss averages over, from its (args, kwargs): the
     target's entries (the last positional argument) other than loss_fn's ignore index (-100 for a plain
     function) under "tokens", the label tokens under "labels"; None to weigh by rows.  Device tensors: nothing
-    is read on the host.  ``chosen``: the user asked for "tokens", so a call without them is an error."""
+    is read on the host.  ``asked``: the user asked for "tokens", so a call without them is an error."""
     if weights == "labels":
         counts = label_counts(model, [kw for _, kw in calls])
-        if counts is None and chosen:
+        if counts is None and asked:
             raise ValueError("compile_step(micro_batch_weights='tokens') without a loss_fn counts a transformers "
                              "model's label tokens, and this model is not one or the call passes no labels "
                              "tensor; give a loss_fn (its target is counted), or micro_batch_weights='rows'")
@@ -123,7 +123,7 @@ def token_counts(model: torch.nn.Module, loss_fn: Any, weights: str, calls: list
     counts = []
     for args, _ in calls:
         target = args[-1] if args else None
-        if (not isinstance(target, torch.Tensor) or target.dim() == 0) and not chosen:
+        if (not isinstance(target, torch.Tensor) or target.dim() == 0) and not asked:
             return None
         if not isinstance(target, torch.Tensor) or target.dim() == 0:
             raise ValueError(f"compile_step(micro_batch_weights='tokens') counts the target's entries other than "

@@ -117,11 +117,6 @@ class DemoConfig:
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
-            (self.micro_batches >= 1, f"--micro-batches must be at least 1, got {self.micro_batches}"),
-            (self.micro_batches <= 1 or self.batch % (processes * self.micro_batches) == 0,
-             f"--batch {self.batch} over {processes} process(es) and {self.micro_batches} micro-batch(es) per step "
-             f"leaves micro-batches of unequal size; give a --batch that is a multiple of "
-             f"{processes * self.micro_batches}, or another --micro-batches"),
             (self.seq_len >= 8, f"--seq-len must be at least 8 (15% of it is masked), got {self.seq_len}"),
             (self.vocab_size >= 256 + len(SPECIAL_TOKENS),
              f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (the 256 byte symbols and "
@@ -140,7 +135,7 @@ class DemoConfig:
             (0 < self.late_stage_at <= 1, f"late_stage_at must be a fraction in (0, 1], got {self.late_stage_at}"),
             (self.cut_every >= 1, f"--cut-every must be at least 1, got {self.cut_every}"),
             (self.parallel in PARALLEL, f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}"),
-            *placement_checks(self.device, self.batch, processes, self.precision),
+            *placement_checks(self.device, self.batch, processes, self.precision, self.micro_batches),
         ]
         for ok, message in checks:
             if not ok:

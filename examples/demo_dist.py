@@ -84,11 +84,17 @@ def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | N
         torch.set_float32_matmul_precision(before)
 
 
-def placement_checks(device: str, batch: int, processes: int,
-                     precision: str | None = None) -> list[tuple[bool, str]]:
+def placement_checks(device: str, batch: int, processes: int, precision: str | None = None,
+                     micro_batches: int = 1) -> list[tuple[bool, str]]:
     """(holds, message) for the settings every training command checks: a device torch can see, a global
-    batch that splits evenly over the processes, and a precision that runs on the device."""
+    batch that splits evenly over the processes and each process's rows over the micro-batches, and a
+    precision that runs on the device."""
     return [
+        (micro_batches >= 1, f"--micro-batches must be at least 1, got {micro_batches}"),
+        (micro_batches <= 1 or batch % (processes * micro_batches) == 0,
+         f"--batch {batch} over {processes} process(es) and {micro_batches} micro-batch(es) per step leaves "
+         f"micro-batches of unequal size; give a --batch that is a multiple of {processes * micro_batches}, or "
+         f"another --micro-batches"),
         (precision is None or precision in PRECISIONS,
          f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}"),
         (precision != "tf32" or device == "cuda",

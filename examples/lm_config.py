@@ -140,11 +140,6 @@ class PretrainConfig:
             (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
-            (self.micro_batches >= 1, f"--micro-batches must be at least 1, got {self.micro_batches}"),
-            (self.micro_batches <= 1 or self.batch % (processes * self.micro_batches) == 0,
-             f"--batch {self.batch} over {processes} process(es) and {self.micro_batches} micro-batch(es) per step "
-             f"leaves micro-batches of unequal size; give a --batch that is a multiple of "
-             f"{processes * self.micro_batches}, or another --micro-batches"),
             (self.seq_len >= 2, f"--seq-len must be at least 2 (a token and its successor), got {self.seq_len}"),
             (self.seq_len <= s.max_positions,
              f"--seq-len {self.seq_len} is above the model's {s.max_positions} positions (preset {self.preset!r}, "
@@ -169,7 +164,7 @@ class PretrainConfig:
             (self.evals >= 1, f"--evals must be at least 1, got {self.evals}"),
             (self.eval_blocks is None or self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),
             (self.max_bytes >= 1000, f"--max-bytes must be at least 1000, got {self.max_bytes}"),
-            *placement_checks(self.device, self.batch, processes, self.precision),
+            *placement_checks(self.device, self.batch, processes, self.precision, self.micro_batches),
         ]
         for ok, message in checks:
             if not ok:

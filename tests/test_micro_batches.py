@@ -310,7 +310,7 @@ def test_token_weights_make_the_token_mean_of_any_padding(rows, positions, parts
         torch.rand(rows, positions, generator=g) < 0.5, -100)
     y[0, 0] = 1   # at least one token in the batch
     pieces = split_batch((logits, y), parts)
-    counts = token_counts(nn.Module(), nn.CrossEntropyLoss(), "tokens", [(p, {}) for p, _ in pieces], chosen=False)
+    counts = token_counts(nn.Module(), nn.CrossEntropyLoss(), "tokens", [(p, {}) for p, _ in pieces], asked=False)
     total = torch.stack(counts).sum()
     got = sum(weigh(F.cross_entropy(p[0], p[1]), c, total) for (p, _), c in zip(pieces, counts))
     torch.testing.assert_close(got, F.cross_entropy(logits, y), rtol=1e-12, atol=1e-12)
