@@ -104,6 +104,42 @@ def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dyn
     assert eager_blocks(model) == {}
 
 
+class _LogitsFirst(nn.Module):
+    """A causal LM's logits laid out (rows, vocabulary, positions), as nn.CrossEntropyLoss takes a sequence."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(x).logits.transpose(1, 2)
+
+
+def test_micro_batches_of_a_padded_12_layer_decoder_weigh_its_tokens_at_the_defaults(fresh_dynamo):
+    """A 12-layer TT Llama at compile_step's defaults (backend "comera", its blocks compiled one by one),
+    nn.CrossEntropyLoss as loss_fn over targets padded with -100 past each row's length, micro_batches=2: the
+    first micro-batch's rows hold 8 tokens, the second's 62, and by default the micro-batches weigh by those
+    tokens, so each step's loss and the trained parameters are the eager loop's on the whole batch (by rows
+    the loss would be the mean of the two halves' means).  One graph serves all twelve layers of both."""
+    model = _LogitsFirst(_model("llama"))
+    eager = copy.deepcopy(model)
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager))
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, micro_batches=2)
+    lengths = torch.tensor([3, 5, 32, 30])
+    g = torch.Generator().manual_seed(2)
+    for i in range(2):
+        x = torch.randint(0, VOCAB, (4, 32), generator=g)
+        y = torch.randint(0, VOCAB, (4, 32), generator=g).masked_fill(torch.arange(32) >= lengths[:, None], -100)
+        want = F.cross_entropy(eager(x), y)
+        want.backward()
+        eager_opt.step()
+        eager_opt.zero_grad()
+        torch.testing.assert_close(step(x, y), want.detach(), rtol=1e-4, atol=1e-5, msg=f"loss of step {i}")
+    for p, q in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert len(cc.repeated_blocks(model)) == LAYERS and _graphs() == 1 and eager_blocks(model) == {}
+
+
 def test_a_new_sequence_length_every_step_compiles_no_graph_after_the_second(fresh_dynamo):
     """Batches padded to their longest row (transformers' padding collators) change the sequence length from
     step to step.  On a 12-layer TT Llama at compile_step's defaults (backend "comera", the TT embedding's
