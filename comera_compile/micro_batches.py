@@ -65,12 +65,14 @@ def resolve_weights(loss_fn: Any, weights: str | None) -> str:
 
 def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: torch.nn.Module, loss_fn: Any,
                micro_batches: int, weights: str, processes: int = 1, asked: bool = False,
-               between: Callable[[], None] | None = None) -> torch.Tensor:
+               between: Callable[[], None] | None = None,
+               scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Forward and backward of a call's packed arguments `flat` in `micro_batches` parts, gradients added to
     .grad; returns the whole batch's loss (detached).  ``fwd(*part)`` is a part's loss; each counts by
     `weights` (resolve_weights), a token mean against every process's tokens where `processes` (DDP's or
     FSDP2's, whose reduction waits for the last part) average the gradients.  ``between()`` runs after each
-    backward but the last; `asked`: the user chose the weighting (token_counts' errors)."""
+    backward but the last; `asked`: the user chose the weighting (token_counts' errors); ``scale(loss)`` is what
+    each backward starts from (a GradScaler's scaled loss)."""
     parts = split_batch(flat, micro_batches, lambda i: named(flat, i)) if micro_batches > 1 else [(flat, 1.0)]
     counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], asked=asked)
     tokens = torch.stack(counts).sum() if counts is not None else None
@@ -84,7 +86,8 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
             loss = fwd(*part)
             mean = weigh(loss, counts[i], tokens) if counts is not None else (   # this process's
                 loss if weights == "sum" else loss * share)
-            (weigh(loss, counts[i] * processes, everywhere) if spread else mean).backward()
+            part_loss = weigh(loss, counts[i] * processes, everywhere) if spread else mean
+            (part_loss if scale is None else scale(part_loss)).backward()
         if not last and between is not None:
             between()
         total = mean.detach() if total is None else total + mean.detach()

@@ -13,8 +13,8 @@ from torch import nn
 from .distributed import is_sharded
 from .layers import tt_layers
 
-__all__ = ["param_groups", "prefer_fast_implementation", "check_retired", "retire", "unwrapped", "skipped_step",
-           "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
+__all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "check_retired", "retire",
+           "unwrapped", "skipped_step", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -81,6 +81,15 @@ def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
             group["fused"], group["foreach"] = True, False
         elif "foreach" in group:
             group["foreach"] = True
+
+
+def fused_takes_the_scale(optimizer: torch.optim.Optimizer) -> None:
+    """Where every param group is fused (as prefer_fast_implementation may have made them), let a GradScaler
+    hand the kernels its scale and overflow flag as tensors, as it does for an optimizer built with
+    fused=True, instead of reading the flag on the host.  Not done by prefer_fast_implementation itself:
+    accelerate tells a skipped step by the optimizer's step() not being called, which this would hide."""
+    if optimizer.param_groups and all(group.get("fused") for group in optimizer.param_groups):
+        optimizer._step_supports_amp_scaling = True
 
 
 def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

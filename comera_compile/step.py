@@ -72,7 +72,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                  keep_memory: bool = True, regional: bool = True, mode: str | None = None,
                  autocast: torch.dtype | None = None, cuda_graphs: str | None = None, warmup: int = 2,
                  rank_adaptive: "RankAdaptive | None" = None, micro_batches: int = 1,
-                 micro_batch_weights: str | None = None) -> Callable[..., torch.Tensor]:
+                 micro_batch_weights: str | None = None,
+                 scaler: "torch.amp.GradScaler | None" = None) -> Callable[..., torch.Tensor]:
     """A training step -- forward, loss, backward, optimizer step, zero_grad -- compiled.
 
     ``step(*inputs, target, **kwargs)`` returns the loss (detached) of ``loss_fn(model(*inputs, **kwargs),
@@ -116,6 +117,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     mode is torch.compile's (e.g. "reduce-overhead" for backend="inductor": CUDA Graphs; backend "comera"
     records them on CUDA by default).  autocast (e.g. torch.bfloat16) runs forward and loss under
     ``torch.autocast`` on the model's device type; backward and the optimizer step run outside it.
+    scaler: a ``torch.amp.GradScaler`` scaling the loss before backward and stepping the optimizer through it
+    (a step whose gradients overflowed is skipped: parameters, optimizer state and rank_adaptive unchanged,
+    the scale halved).  autocast=torch.float16 makes one by default, as float16 gradients underflow to zero
+    without it (pass ``GradScaler(enabled=False)`` to go without); ``step.scaler`` is it, to checkpoint its
+    ``state_dict()``.  Its overflow check is read on the host, so the step is not one CUDA graph then.
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
     detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
@@ -140,7 +146,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
     the gradient of the global batch's token mean, one all-reduce of the counts per call (for a loss_fn's
     "tokens" too); each process's call returns its own batch's token mean."""
-    from comera_compile.optim import FAST_KEY, prefer_fast_implementation
+    from comera_compile.optim import FAST_KEY, fused_takes_the_scale, prefer_fast_implementation
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
@@ -157,7 +163,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     if keep_memory and not on_cuda:
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs)
+    scaler = _loss_scaler(scaler, autocast, device_type, cuda_graphs, compile_optimizer)
+    scaling = scaler is not None and scaler.is_enabled()
+    chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs, scaling)
     auto = cuda_graphs == "auto" and chosen == "step"   # may still fall back to "compiled" (fall_back)
     whole = chosen == "step"
     compiled_kwargs = kwargs
@@ -198,6 +206,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     else:
         prefer_fast_implementation(optimizer)
         opt_step = optimizer.step
+        if scaling:
+            fused_takes_the_scale(optimizer)
 
     # processes whose gradients DDP or FSDP2 averages: a token-mean loss counts every process's tokens
     processes = averaging_processes(model) if weights in ("tokens", "labels") else 1
@@ -208,19 +218,27 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         of the batch (of every process's batches, under DDP or FSDP2)."""
         if micro_batches == 1 and processes == 1:
             loss = fwd(*args)
-            loss.backward()
+            (scaler.scale(loss) if scaling else loss).backward()
             return loss
         # a graph tree's next replay reuses the memory a backward wrote .grad into: keep a copy between parts
         keep = (lambda: own_gradients(model, owned)) if on_cuda and not whole and chosen != "off" else None
         return accumulate(fwd, args, model, loss_fn, micro_batches, weights, processes,
-                          asked=micro_batch_weights is not None, between=keep)
+                          asked=micro_batch_weights is not None, between=keep,
+                          scale=scaler.scale if scaling else None)
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
+    skipped = [False]   # the last call's optimizer step skipped by the scaler (read only for rank_adaptive)
 
     def run(*args: Any) -> torch.Tensor:
         loss = forward_backward(*args)
         owned.clear()
-        opt_step()
+        if scaling:   # a scale that dropped is a step the scaler skipped (its backoff factor is below 1)
+            before = scaler.get_scale() if rank_adaptive is not None else 0.0
+            scaler.step(optimizer)
+            scaler.update()
+            skipped[0] = rank_adaptive is not None and scaler.get_scale() < before
+        else:
+            opt_step()
         optimizer.zero_grad(set_to_none=True)
         # a compiled graph's output lives in CUDA Graph memory that the next step's replay overwrites
         return loss.detach().clone() if on_cuda and not whole else loss.detach()
@@ -277,13 +295,14 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                       "make a setting changed every step a tensor the graph reads (learning rates: capturable, "
                       "or SGD with fused=True), or change it less often")
         step.last_call_compiled = _compile_marks(step.graph, counters) != before
-        if rank_adaptive is not None:   # eager, after every compiled part of the step has run
+        if rank_adaptive is not None and not skipped[0]:   # eager, after every compiled part of the step
             rank_adaptive.step(loss)
         return loss
 
     step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
     step.cuda_graphs = chosen if on_cuda or whole else None
     step.last_call_compiled = False
+    step.scaler = scaler
     return step
 
 
@@ -298,8 +317,28 @@ def _on_cuda(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
 
 
+def _loss_scaler(scaler: Any, autocast: torch.dtype | None, device_type: str, cuda_graphs: str | None,
+                 compile_optimizer: bool | None) -> Any:
+    """The step's GradScaler: the one given, a new one for float16 autocast, else None; refused with a whole-step
+    graph (its overflow check is a host read) or a compiled optimizer step (the scaler steps the optimizer)."""
+    if scaler is None and autocast == torch.float16:
+        scaler = torch.amp.GradScaler(device_type)
+    if scaler is None or not scaler.is_enabled():
+        return scaler
+    if cuda_graphs == "step":
+        raise ValueError("cuda_graphs='step' with a loss scaler (float16 autocast makes one): the scaler reads its "
+                         "overflow check on the host at every step, which one CUDA graph cannot capture; use "
+                         "autocast=torch.bfloat16 (no scaling needed), or cuda_graphs='compiled'")
+    if compile_optimizer:
+        raise ValueError("compile_optimizer=True with a loss scaler (float16 autocast makes one): the scaler steps "
+                         "the optimizer itself, skipping steps whose gradients overflowed; leave compile_optimizer "
+                         "at its default (the fused optimizer takes the scale without a host read)")
+    return scaler
+
+
 def _choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch.optim.Optimizer,
-                        model: torch.nn.Module, backend: str | Callable, kwargs: dict[str, Any]) -> str | None:
+                        model: torch.nn.Module, backend: str | Callable, kwargs: dict[str, Any],
+                        scaling: bool = False) -> str | None:
     """The cuda_graphs mode a step runs in: the one asked for, "compiled" for the default, and for "auto"
     "step" where nothing known refuses the capture (else "compiled", with a warning where the caller did not
     ask for per-graph replays or profiling)."""
@@ -314,6 +353,9 @@ def _choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch
     from comera_compile.graphs import check_capturable
 
     try:
+        if scaling:
+            raise ValueError("a loss scaler (float16 autocast) reads its overflow check on the host at every "
+                             "step; autocast=torch.bfloat16 needs none")
         check_capturable(optimizer, model)
     except ValueError as e:
         warnings.warn(f"compile_step(cuda_graphs='auto'): the step runs with cuda_graphs='compiled' (each "

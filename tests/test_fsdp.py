@@ -177,6 +177,38 @@ def test_fsdp2_trains_like_one_process_on_the_whole_batch(tmp_path, compiled):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7
 
 
+def _float16_steps(rank: int, world: int, out: str) -> None:
+    """compile_step at float16 autocast (its own GradScaler) on the sharded encoder: step 0 trains, step 1
+    overflows on process 0 only (its rows scaled by 1e6), step 2 trains.  Rank 0 saves the full parameters
+    after each step and both processes' scales."""
+    import comera_compile as cc
+
+    model = _shard(_encoder(), compiled=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = cc.compile_step(model, nn.functional.mse_loss, opt, backend="eager", autocast=torch.float16)
+    per = BATCH // world
+    saved = []
+    for i, x, y in _batches(3):
+        sl = slice(rank * per, (rank + 1) * per)
+        step(x[sl] * (1e6 if i == 1 and rank == 0 else 1.0), y[sl])
+        scales = [None] * world
+        dist.all_gather_object(scales, step.scaler.get_scale())
+        saved.append((_full(model), scales))
+    if rank == 0:
+        torch.save(saved, out)
+
+
+def test_a_step_that_overflows_on_one_process_is_skipped_on_every_process(tmp_path):
+    """float16 under FSDP2: process 0's rows overflow, process 1's do not; both skip that step (the sharded
+    gradients' overflow check is one for all), their scales halve alike, and the steps before and after it
+    train."""
+    _spawn(_float16_steps, 2, str(tmp_path / "fp16"))
+    (p0, s0), (p1, s1), (p2, s2) = torch.load(tmp_path / "fp16")
+    assert s0[0] == s0[1] and s1 == [s0[0] / 2] * 2 and s2 == s1
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1)), "the overflowing step changed a parameter"
+    assert any(not torch.equal(a, b) for a, b in zip(p1, p2)), "the step after it did not train"
+
+
 # -- rank adaptation -------------------------------------------------------------------------------------
 @torch.no_grad()
 def _zero_leading_halves(ra) -> None:

@@ -1,0 +1,117 @@
+"""float16 autocast in a compiled step: ``compile_step(..., autocast=torch.float16)`` scales the loss with a
+GradScaler of its own, so gradients too small for float16 still train (against the float64 step without
+autocast), skips a step whose gradients overflowed (RankAdaptive included), and refuses the modes a scaler
+cannot run in.  bfloat16 autocast needs no scaler and gets none."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.step import _choose_cuda_graphs
+from helpers import BlockNet
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+TINY = 1e-6   # the task loss's factor: its gradients at the head's float16 outputs (~1e-8) underflow to zero
+
+
+def _net(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    return cc.tensorize(BlockNet(), rank=4, min_features=16).to(dtype)
+
+
+def _tiny_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), target) * TINY
+
+
+def _update(model: nn.Module, run) -> torch.Tensor:
+    """The parameters' change (flattened, float64) from one call of run()."""
+    before = torch.cat([p.detach().double().flatten() for p in model.parameters()])
+    run()
+    return torch.cat([p.detach().double().flatten() for p in model.parameters()]) - before
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=1 / TINY)   # the update: the unscaled loss's gradient
+
+
+@pytest.mark.parametrize("case", ["default", "micro-batches", "no scaling"])
+def test_float16_autocast_trains_gradients_float16_cannot_hold(case):
+    """A loss whose gradients are ~1e-8 at the float16 logits: compile_step at autocast=torch.float16 (backend
+    "comera", the blocks compiled one by one) makes the SGD update of the float64 step without autocast, to
+    float16's precision, whole or in micro-batches; with the scaler switched off the same step underflows."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)
+    ref = _net(torch.float64)
+    ref_opt = _sgd(ref)
+
+    def ref_step() -> None:
+        _tiny_loss(ref(x.double()), y).backward()
+        ref_opt.step()
+
+    expected = _update(ref, ref_step)
+    model = _net()
+    extra = {"micro_batches": 2} if case == "micro-batches" else {}
+    if case == "no scaling":
+        extra["scaler"] = torch.amp.GradScaler("cpu", enabled=False)
+    step = cc.compile_step(model, _tiny_loss, _sgd(model), autocast=torch.float16, **extra)
+    assert isinstance(step.scaler, torch.amp.GradScaler)
+    got = _update(model, lambda: step(x, y))
+    error = ((got - expected).norm() / expected.norm()).item()
+    if case == "no scaling":
+        assert error > 0.5, f"float16 gradients did not underflow without scaling (error {error:.3g})"
+    else:
+        assert error < 2e-2, f"the scaled float16 step is {error:.3g} off the float64 one"
+
+
+def test_an_overflowing_step_is_skipped_with_rank_adaptive():
+    """A batch that overflows float16 (the first layer's output scaled by 1e6): the step leaves every parameter
+    and the optimizer's state (moments and step counts, in the fused AdamW that takes the scaler's overflow
+    flag itself) as they were, RankAdaptive does not count it, and the scale halves; the next batch trains
+    and is counted."""
+    model = _net()
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    ra = cc.RankAdaptive(model, optimizer=opt)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.float16, rank_adaptive=ra,
+                           backend="eager")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    step(x, y)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()]
+    scale, counted = step.scaler.get_scale(), ra.steps
+    loss = step(x, y, scale=1e6)
+    assert not torch.isfinite(loss), "the batch was meant to overflow float16"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)), "a skipped step changed a parameter"
+    assert all(torch.equal(opt.state[p][k], v) for p, kept in zip(model.parameters(), state)
+               for k, v in kept.items()), "a skipped step changed the optimizer's state"
+    assert getattr(opt, "_step_supports_amp_scaling", False), "the fused AdamW should take the scale itself"
+    assert step.scaler.get_scale() == scale / 2
+    assert ra.steps == counted
+    assert torch.isfinite(step(x, y))
+    assert ra.steps == counted + 1
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), params))
+
+
+def test_loss_scaling_refuses_the_modes_it_cannot_run_in():
+    """A whole-step CUDA graph and a compiled optimizer step cannot hold a scaler's host read and its own
+    optimizer step: errors that say what to do; "auto" on CUDA keeps per-graph replays, with a warning;
+    bfloat16 autocast gets no scaler."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="bfloat16"):
+        cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.float16, cuda_graphs="step")
+    with pytest.raises(ValueError, match="compile_optimizer"):
+        cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.float16, compile_optimizer=True)
+    with pytest.warns(UserWarning, match="loss scaler"):
+        chosen = _choose_cuda_graphs("auto", True, opt, model, "comera", {}, scaling=True)
+    assert chosen == "compiled"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.bfloat16, backend="eager")
+    assert step.scaler is None
