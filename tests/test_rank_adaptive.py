@@ -1003,6 +1003,26 @@ def test_a_task_loss_given_to_step_drives_the_late_stage_as_one_given_to_loss():
         assert all(torch.equal(a, b) for a, b in zip(masks, given_to_step.masks[name]))
 
 
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_non_finite_loss_does_not_reach_the_late_stage_s_loss_average(bad):
+    """A step whose loss overflowed (float16 before a GradScaler skips it, or a loop without one) gives
+    ra.step an inf or NaN loss: the late stage's loss target is the moving average (0.9) of the finite losses
+    alone, computed here by hand.  An inf there would make every later comparison against it false and
+    prune toward the size target whatever the loss."""
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, optimizer=torch.optim.AdamW(model.parameters()), target_ratio=0.5, late_stage_at=6)
+    losses = [3.0, 2.5, bad, 2.0, bad, 1.5]
+    for loss in losses:
+        ra.step(torch.tensor(loss))
+    finite = [v for v in losses if math.isfinite(v)]
+    expected = finite[0]
+    for v in finite[1:]:
+        expected = 0.9 * expected + 0.1 * v
+    assert ra.stage == "late"
+    assert ra.loss_target == pytest.approx(expected, rel=1e-12)
+
+
 def test_on_reallocate_runs_once_per_reallocation_until_its_handle_is_removed():
     """Callbacks get the RankAdaptive after each re-allocation, from step() or cut(), and only then."""
     calls = []

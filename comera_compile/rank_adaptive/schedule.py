@@ -5,6 +5,7 @@ the cores for real.  docs/method.md section 4 states the rule and the measuremen
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections import OrderedDict
@@ -214,7 +215,7 @@ class RankAdaptive(Reports):
         if loss is not None and self.late_stage_at is not None:
             self._last_loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.steps += 1
-        if self._last_loss is not None:
+        if self._last_loss is not None and math.isfinite(self._last_loss):   # an overflowed step's loss is none
             self._loss_ema = self._last_loss if self._loss_ema is None else (
                 0.9 * self._loss_ema + 0.1 * self._last_loss)
         # In the late stage the size target is the goal: once reached, no further slice is shrunk.
