@@ -115,3 +115,28 @@ def test_loss_scaling_refuses_the_modes_it_cannot_run_in():
         warnings.simplefilter("error")
         step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.bfloat16, backend="eager")
     assert step.scaler is None
+
+
+def test_the_readme_s_own_loop_skips_rank_adaptive_with_the_scaler():
+    """The README's loop of one's own: ra.step only where the scale did not drop.  Over an overflowing batch
+    between two good ones, RankAdaptive counts the two steps that changed the parameters, not the third."""
+    model = _net()
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    ra = cc.RankAdaptive(model, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    moved = []
+    for factor in (1.0, 1e6, 1.0):
+        before = [p.detach().clone() for p in model.parameters()]
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x, scale=factor).float(), y)
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if scaler.get_scale() >= scale:
+            ra.step(loss)
+        moved.append(any(not torch.equal(p, q) for p, q in zip(model.parameters(), before)))
+    assert moved == [True, False, True]
+    assert ra.steps == 2
