@@ -119,9 +119,10 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     ``torch.autocast`` on the model's device type; backward and the optimizer step run outside it.
     scaler: a ``torch.amp.GradScaler`` scaling the loss before backward and stepping the optimizer through it
     (a step whose gradients overflowed is skipped: parameters, optimizer state and rank_adaptive unchanged,
-    the scale halved).  autocast=torch.float16 makes one by default, as float16 gradients underflow to zero
-    without it (pass ``GradScaler(enabled=False)`` to go without); ``step.scaler`` is it, to checkpoint its
-    ``state_dict()``.  Its overflow check is read on the host, so the step is not one CUDA graph then.
+    the scale halved; ``step.skipped`` says so for the last call).  autocast=torch.float16 makes one by
+    default, as float16 gradients underflow to zero without it (pass ``GradScaler(enabled=False)`` to go
+    without); ``step.scaler`` is it, to checkpoint its ``state_dict()``.  The scale is read on the host after
+    each step, so the step is not one CUDA graph then.
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
     detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
@@ -227,16 +228,15 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                           scale=scaler.scale if scaling else None)
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
-    skipped = [False]   # the last call's optimizer step skipped by the scaler (read only for rank_adaptive)
 
     def run(*args: Any) -> torch.Tensor:
         loss = forward_backward(*args)
         owned.clear()
         if scaling:   # a scale that dropped is a step the scaler skipped (its backoff factor is below 1)
-            before = scaler.get_scale() if rank_adaptive is not None else 0.0
+            before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
-            skipped[0] = rank_adaptive is not None and scaler.get_scale() < before
+            step.skipped = scaler.get_scale() < before
         else:
             opt_step()
         optimizer.zero_grad(set_to_none=True)
@@ -295,14 +295,14 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                       "make a setting changed every step a tensor the graph reads (learning rates: capturable, "
                       "or SGD with fused=True), or change it less often")
         step.last_call_compiled = _compile_marks(step.graph, counters) != before
-        if rank_adaptive is not None and not skipped[0]:   # eager, after every compiled part of the step
+        if rank_adaptive is not None and not step.skipped:   # eager, after every compiled part of the step
             rank_adaptive.step(loss)
         return loss
 
     step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
     step.cuda_graphs = chosen if on_cuda or whole else None
     step.last_call_compiled = False
-    step.scaler = scaler
+    step.scaler, step.skipped = scaler, False
     return step
 
 

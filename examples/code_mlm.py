@@ -93,11 +93,11 @@ class DemoConfig:
     # Under torchrun (or comera-compile demo --nproc N): how the processes share the training, each on its
     # rows of every global batch of `batch` rows: "ddp" (DistributedDataParallel) or "fsdp" (FSDP2).
     parallel: str = "ddp"
-    precision: str | None = None  # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
+    precision: str | None = None  # one of demo_dist.PRECISIONS; None: resolve_precision's default
     resume: bool = False  # keep the runs saved in `out` by a run that stopped (trained the same way), train the rest
 
     def arithmetic(self) -> str:
-        """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
+        """The precision the steps run in: the option, or bf16 on CUDA (fp16 on GPUs without bf16), fp32 on the CPU."""
         return resolve_precision(self.precision, self.device)
 
     def model_size(self) -> ModelSize:

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 __all__ = ["World", "PARALLEL", "PRECISIONS", "from_env", "shutdown", "wrap", "agree", "placement_checks",
-           "run_in_world", "resolve_precision", "autocast_dtype", "arithmetic"]
+           "run_in_world", "resolve_precision", "autocast_dtype", "arithmetic", "skipped_in_a_row"]
 
 PARALLEL = ("ddp", "fsdp")
 # The training steps' arithmetic: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast of forward and loss (the
-# weights, gradients and optimizer state stay fp32), what the field trains in on GPUs.
-PRECISIONS = ("fp32", "tf32", "bf16")
+# weights, gradients and optimizer state stay fp32), what the field trains in on GPUs; fp16 autocast with the
+# loss scaled (a GradScaler), for GPUs without bf16 arithmetic.
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 
 
 @dataclass(frozen=True)
@@ -59,15 +60,39 @@ class World:
 
 
 def resolve_precision(precision: str | None, device: str) -> str:
-    """The precision asked for, or the default: bf16 on CUDA, fp32 on the CPU."""
+    """The precision asked for, or the default: fp32 on the CPU; on CUDA bf16, or fp16 on a GPU without bf16
+    arithmetic of its own (before Ampere: torch would emulate bf16 there, and Triton compiles no bf16 kernel)."""
     if precision is not None:
         return precision
-    return "bf16" if device == "cuda" else "fp32"
+    if device != "cuda":
+        return "fp32"
+    native = not torch.cuda.is_available() or torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bf16" if native else "fp16"
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
-    """The dtype the training step's forward and loss autocast to under `precision`: bf16's, else none."""
-    return torch.bfloat16 if precision == "bf16" else None
+    """The dtype the training step's forward and loss autocast to under `precision`: bf16's or fp16's, else
+    none (fp16 steps scale their loss: cc.compile_step makes the GradScaler)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+
+# Steps in a row a loss scaler may skip before a run counts as diverged: the scale has then halved this often,
+# far past what a float16 run's start needs (a few halvings from 65536).
+MAX_SKIPPED = 24
+
+
+def skipped_in_a_row(skipped: bool, before: int, name: str) -> int:
+    """The count of steps in a row that the loss scaler skipped (fp16), after one that it did or did not
+    skip; past MAX_SKIPPED an error (code_data.DemoError) that says to lower the learning rate."""
+    if not skipped:
+        return 0
+    if before + 1 > MAX_SKIPPED:
+        from comera_compile.examples.code_data import DemoError
+
+        raise DemoError(f"{name}: the loss scaler skipped {before + 1} steps in a row (the gradients overflow "
+                        f"float16 at every scale): training diverged; lower the learning rate, or use "
+                        f"--precision bf16 or fp32")
+    return before + 1
 
 
 @contextlib.contextmanager

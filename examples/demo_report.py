@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 __all__ = ["precision_words", "reach_time", "step_figures", "ratio", "NO_STEADY_STEP", "summarize", "format_table",
-           "plot", "write_outputs", "environment", "finish"]
+           "smooth", "skipped_words", "plot", "write_outputs", "environment", "finish"]
 
 
 def precision_words(run: dict[str, Any]) -> str:
     """A run's precision (its results' "precision"; fp32 in runs that predate it) in the table's words."""
-    return {"tf32": "fp32 with TF32 matmuls", "bf16": "bf16 autocast"}.get(run.get("precision", "fp32"), "fp32")
+    return {"tf32": "fp32 with TF32 matmuls", "bf16": "bf16 autocast",
+            "fp16": "fp16 autocast, loss scaled"}.get(run.get("precision", "fp32"), "fp32")
 
 
 # The step-time cell of a run whose every step compiled (or captured): its budget ended before one ran steady.
@@ -136,12 +138,31 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
                  f"files never trained on; wall time {result['wall_time_s']:.0f} s")
+    skipped = skipped_words(result["runs"], {"dense": "dense", "comera": "CoMERA"})
+    if skipped:
+        lines.append(skipped)
     return "\n".join(lines)
 
 
-def _smooth(values: list[float]) -> list[float]:
+def skipped_words(runs: dict[str, dict[str, Any]], labels: dict[str, str]) -> str | None:
+    """The sentence a table ends with where an fp16 run's loss scaler skipped steps (None where none did)."""
+    counts = [f"{labels.get(name, name)} {run['skipped_steps']}" for name, run in runs.items()
+              if run.get("skipped_steps")]
+    if not counts:
+        return None
+    return (f"Steps the fp16 loss scaler skipped (gradients overflowed: no update, time counted): "
+            f"{', '.join(counts)}.")
+
+
+def smooth(values: list[float | None]) -> list[float]:
+    """A training curve's moving average over a 25th of its length, of the steps that have a loss (a step the
+    fp16 loss scaler skipped has None); NaN where a window has none (a gap in the plot)."""
     window = max(1, len(values) // 25)
-    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
+    out = []
+    for i in range(len(values)):
+        kept = [v for v in values[max(0, i - window + 1): i + 1] if v is not None and math.isfinite(v)]
+        out.append(statistics.fmean(kept) if kept else math.nan)
+    return out
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -160,7 +181,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for name, run_ in result["runs"].items():
         h, ev = run_["history"], run_["evals"]
         for ax, x_key in ((ax_t, "time_s"), (ax_s, "step")):
-            ax.plot(h[x_key], _smooth(h["loss"]), color=colors[name], alpha=0.3, linewidth=0.9,
+            ax.plot(h[x_key], smooth(h["loss"]), color=colors[name], alpha=0.3, linewidth=0.9,
                     label=f"{labels[name]}, training (smoothed)")
             ax.plot([e[x_key] for e in ev], [e["loss"] for e in ev], "o-", color=colors[name],
                     label=f"{labels[name]}, held-out")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import mask_batch
-from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
+from comera_compile.examples.demo_dist import World, agree, autocast_dtype, skipped_in_a_row, wrap
 from comera_compile.examples.demo_report import step_figures
 from comera_compile.micro_batches import accumulate, pack, unpack
 
@@ -148,9 +148,11 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         backend = None if cfg.dense_backend == "eager" else cfg.dense_backend
     warm = max(1, cfg.warmup_steps)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm))
-    # forward and loss under bf16 autocast with --precision bf16; backward and the optimizer step outside it
+    # forward and loss under autocast with --precision bf16 or fp16; backward and the optimizer step outside it,
+    # fp16's through a GradScaler (compile_step's own, or the eager step's)
     dtype = autocast_dtype(cfg.arithmetic())
     autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype is not None else contextlib.nullcontext
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the task loss: RankAdaptive's penalty works by its proximal step, and ra.loss() would only add its value
@@ -166,7 +168,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             sharded = world.size > 1 and world.parallel == "fsdp"
             # every block predicts as many masked tokens (mask_batch), so micro-batches weigh by rows
             return cc.compile_step(forward, loss_fn, opt, backend=backend, fullgraph=not sharded, autocast=dtype,
-                                   cuda_graphs=graphs, micro_batches=cfg.micro_batches)
+                                   cuda_graphs=graphs, micro_batches=cfg.micro_batches, scaler=scaler)
 
         def part_loss(*flat: Any) -> torch.Tensor:
             (inputs, positions, labels), _ = unpack(flat)
@@ -174,16 +176,24 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
                 return loss_fn(forward(inputs, positions), labels)
 
         def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            scale = scaler.scale if scaler is not None else (lambda loss: loss)
             if cfg.micro_batches > 1:   # the accumulation compile_step runs, uncompiled
                 loss = accumulate(part_loss, pack((inputs, positions, labels), {}), forward, loss_fn,
-                                  cfg.micro_batches, "rows")
+                                  cfg.micro_batches, "rows", scale=scale)
             else:
                 loss = part_loss(*pack((inputs, positions, labels), {}))
-                loss.backward()
-            opt.step()
+                scale(loss).backward()
+            if scaler is None:
+                opt.step()
+            else:   # the scale drops only where the scaler skipped the step
+                before = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                eager.skipped = scaler.get_scale() < before
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
+        eager.skipped = False
         return eager
 
     step_fn = make_step()
@@ -221,7 +231,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
 
     model.train()
     rows = world.rows(cfg.batch)
-    step = 0
+    step = skips = skipped_steps = 0   # skips: steps the loss scaler skipped in a row (fp16)
     while (cfg.steps is None or step < cfg.steps) and (budget is None or elapsed < budget):
         step += 1
         inputs, positions, labels = (t[rows].to(device, non_blocking=True) for t in next(stream))
@@ -231,8 +241,12 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         t0 = time.perf_counter()
         task = step_fn(inputs, positions, labels)
         compiled = getattr(step_fn, "last_call_compiled", False)   # compiled, probed or captured: not steady
-        sched.step()
-        reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
+        skipped = step_fn.skipped   # fp16: the loss scaler skipped the optimizer step (gradients overflowed)
+        skips = skipped_in_a_row(skipped, skips, name)
+        skipped_steps += skipped
+        if not skipped:   # the schedules count optimizer steps, as accelerate's wrapper counts them
+            sched.step()
+        reallocated = ra.step(task) if ra is not None and not skipped else False   # the task loss feeds the late stage
         if reallocated and forward is not model:
             forward = wrap(model, world)  # DDP holds the replaced Parameters: a new wrapper and step
             step_fn = make_step()
@@ -249,11 +263,11 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         enc = _active_encoder_params(model, ra) if ra is not None else encoder_params(model)
         history["step"].append(step)
         history["time_s"].append(elapsed)
-        history["loss"].append(step_loss)
+        history["loss"].append(None if skipped else step_loss)   # a skipped step trained nothing
         history["step_time_s"].append(dt)
         history["active_tt_params"].append(active_tt())
         history["encoder_compression"].append(dense_encoder / enc)
-        bar.set_postfix(loss=f"{history['loss'][-1]:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{dense_encoder / enc:.0f}x",
+        bar.set_postfix(loss=f"{step_loss:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{dense_encoder / enc:.0f}x",
                         refresh=False)
         bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
         due = step in step_marks
@@ -288,6 +302,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "median_step_s": median,
         "compile_s": compile_s,
         "compile_steps": [i + 1 for i in compile_steps],
+        "skipped_steps": skipped_steps,   # fp16: steps the loss scaler skipped (their loss: None in history)
         "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size, autocast),
         "peak_rss_bytes": rss_peak or None,
         "device": str(device),

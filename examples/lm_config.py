@@ -99,7 +99,7 @@ class PretrainConfig:
     val_fraction: float = 0.05
     seed: int = 0
     device: str = "cpu"
-    precision: str | None = None   # one of demo_dist.PRECISIONS; None: bf16 on CUDA, fp32 on the CPU
+    precision: str | None = None   # one of demo_dist.PRECISIONS; None: resolve_precision's default
     threads: int | None = None     # intra-op CPU threads (None: torch's default, every core)
     progress: bool = True
     resume: bool = False           # keep the finished methods' runs saved in `out`, train the others
@@ -117,7 +117,7 @@ class PretrainConfig:
         return max(1, self.batch // (processes * self.micro_batches))
 
     def arithmetic(self) -> str:
-        """The precision the steps run in: the option, or bf16 on CUDA and fp32 on the CPU."""
+        """The precision the steps run in: the option, or bf16 on CUDA (fp16 on GPUs without bf16), fp32 on the CPU."""
         return resolve_precision(self.precision, self.device)
 
     def warmup(self) -> int:

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from comera_compile.examples.demo_report import NO_STEADY_STEP, precision_words, ratio, reach_time
+from comera_compile.examples.demo_report import (NO_STEADY_STEP, precision_words, ratio, reach_time, skipped_words,
+                                                 smooth)
 
 __all__ = ["LABELS", "mean_rank", "summarize", "format_table", "plot"]
 
@@ -193,12 +194,10 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"Batches repeated (passes over the training text: {', '.join(repeated)}): validation perplexity "
                      f"then rewards memorising the training text too; give more text (--data, --max-bytes) to "
                      f"compare on one pass, as the papers do.")
+    skipped = skipped_words({n: runs[n] for n in names}, LABELS)
+    if skipped:
+        lines.append(skipped)
     return "\n".join(lines)
-
-
-def _smooth(values: list[float]) -> list[float]:
-    window = max(1, len(values) // 25)
-    return [statistics.fmean(values[max(0, i - window + 1): i + 1]) for i in range(len(values))]
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
@@ -216,7 +215,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     for name, r in runs.items():
         h, ev = r["history"], r["evals"]
         for ax, key in ((axes[0], "tokens"), (axes[1], "time_s")):
-            train_ppl = [math.exp(min(x, 50.0)) for x in _smooth(h["loss"])]
+            train_ppl = [math.exp(min(x, 50.0)) for x in smooth(h["loss"])]
             ax.plot(h[key], train_ppl, color=colors[name], alpha=0.25, linewidth=0.9)
             ax.plot([e[key] for e in ev], [e["ppl"] for e in ev], "o-", color=colors[name],
                     label=f"{LABELS[name]}, validation")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import World, agree, autocast_dtype, wrap
+from comera_compile.examples.demo_dist import World, agree, autocast_dtype, skipped_in_a_row, wrap
 from comera_compile.examples.demo_report import step_figures
 from comera_compile.examples.demo_train import rss_bytes
 from comera_compile.examples.lm_config import LlamaShape, PretrainConfig
@@ -228,10 +228,12 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         opt.register_step_pre_hook(_clip_hook(cfg.clip))
     forward = wrap(model, world)
     autocast = autocast_dtype(cfg.arithmetic())
+    # fp16: one loss scaler for the run, kept when a re-allocation rebuilds the step
+    scaler = torch.amp.GradScaler(device.type) if autocast == torch.float16 else None
     # on one GPU the whole step is one CUDA graph where it can be (GaLore's optimizer is not capturable)
     graphs = "auto" if device.type == "cuda" and world.size == 1 and method != "galore" else None
     step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast, cuda_graphs=graphs,
-                              micro_batches=cfg.micro_batches)
+                              micro_batches=cfg.micro_batches, scaler=scaler)
     execution = {"dense": "AdamW; cc.compile_step, Inductor",
                  "comera": "AdamW (cc.param_groups) + RankAdaptive; cc.compile_step, backend 'comera'",
                  "galore": "GaLoreAdamW (eager); model by cc.compile_step, Inductor"}[method]
@@ -254,6 +256,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     stream = batches(train, cfg.batch, cfg.seed)
     rows = world.rows(cfg.batch)
     elapsed, step = 0.0, 0
+    skips = skipped_steps = 0   # steps the loss scaler skipped (fp16): in a row, and in all
     compile_steps: list[int] = []
     rss_peak = rss_bytes() or 0
     start_decoder, start_total = decoder_params(model), total_params(model)
@@ -282,11 +285,14 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         t0 = time.perf_counter()
         task = step_fn(ids, ids)
         compiled = step_fn.last_call_compiled   # compiled, probed or captured: not a steady step
-        reallocated = ra.step(task) if ra is not None else False   # the task loss feeds the late stage
+        skipped = step_fn.skipped   # fp16: the loss scaler skipped the optimizer step (gradients overflowed)
+        skips = skipped_in_a_row(skipped, skips, method)
+        skipped_steps += skipped
+        reallocated = ra.step(task) if ra is not None and not skipped else False   # the loss feeds the late stage
         if reallocated and forward is not model:  # DDP holds the replaced Parameters: a new wrapper and step
             forward = wrap(model, world)
             step_fn = cc.compile_step(forward, loss_fn, opt, backend=backend, autocast=autocast,
-                                      micro_batches=cfg.micro_batches)
+                                      micro_batches=cfg.micro_batches, scaler=scaler)
         sync()
         dt, step_loss = agree(world, time.perf_counter() - t0, float(task))
         elapsed += dt
@@ -294,10 +300,11 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
             compile_steps.append(step)
         rss_peak = max(rss_peak, rss_bytes() or 0)
         for key, value in (("step", step), ("tokens", step * tokens_per_step), ("time_s", elapsed),
-                           ("loss", step_loss), ("lr", lr * cfg.peak_lr(method)), ("step_time_s", dt),
+                           ("loss", None if skipped else step_loss),   # a skipped step trained nothing
+                           ("lr", lr * cfg.peak_lr(method)), ("step_time_s", dt),
                            ("active_tt_params", ra.size() if ra is not None else None)):
             history[key].append(value)
-        if not math.isfinite(step_loss):
+        if not skipped and not math.isfinite(step_loss):
             bar.close()
             raise DemoError(f"{method}: the training loss is {step_loss} at step {step}; lower the learning rate "
                             f"(--lr, --comera-lr, --galore-lr)")
@@ -340,6 +347,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         "tokens_per_s_overall": step * tokens_per_step / elapsed,
         "compile_s": compile_s,
         "compile_steps": compile_steps,
+        "skipped_steps": skipped_steps,
         "params_total": total_params(model),
         "params_total_start": start_total,
         "params_decoder": decoder_params(model),

@@ -20,6 +20,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
+import comera_compile as cc  # noqa: E402
 from comera_compile.cli import main  # noqa: E402
 from comera_compile.examples import code_data, code_mlm, demo_report, demo_train  # noqa: E402
 from comera_compile.examples.code_mlm import DemoConfig, DemoError  # noqa: E402
@@ -186,7 +187,7 @@ def test_bad_data_dirs_say_what_to_do(tmp_path, setup, message):
     ({"evals": 0}, "--evals"), ({"precision": "tf32"}, "--precision tf32 is a mode of CUDA"),
     ({"micro_batches": 0}, "--micro-batches must be at least 1"),
     ({"batch": 6, "micro_batches": 4}, "--batch 6 .* 4 micro-batch.*a multiple of 4"),
-    ({"precision": "fp16"}, "--precision must be one of fp32, tf32, bf16"),
+    ({"precision": "fp8"}, "--precision must be one of fp32, tf32, bf16, fp16"),
 ])
 def test_bad_sizes_are_rejected_with_the_option_named(override, message):
     with pytest.raises(DemoError, match=message):
@@ -306,16 +307,17 @@ def test_the_compiled_step_trains_the_same_with_the_whole_step_captured(tiny_dat
     assert captured["compile_steps"][:3] == [1, 2, 3] and len(captured["compile_steps"]) == 3 * sims[0].captured
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypatch):
-    """--precision bf16 runs the forward and loss under bf16 autocast (the first loss is eager autocast's on the
-    same batch), and so does the step that measures peak memory; the weights stay fp32.  fp32 runs without
-    autocast."""
+    """--precision bf16 (fp16) runs the forward and loss under bf16 (fp16) autocast (the first loss is eager
+    autocast's on the same batch), and so does the step that measures peak memory; the weights stay fp32.
+    fp32 runs without autocast."""
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=None, steps=2, evals=1, precision=precision)
     dense, _ = code_mlm.build_models(cfg, data.vocab_size)
     inputs, positions, labels = next(demo_train.batches(data, cfg))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with torch.no_grad(), torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
         expected = float(torch.nn.functional.cross_entropy(
             dense(inputs, positions).float().reshape(-1, data.vocab_size), labels.reshape(-1)))
     seen: list[tuple[bool, torch.dtype]] = []
@@ -328,12 +330,68 @@ def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypa
     monkeypatch.setattr(demo_train, "_mlm_loss", recording)
     r = demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense))
     steps = seen   # the two training steps, then the eager step that measures memory (_peak_step_bytes)
-    assert len(steps) == 3 and all(on == (precision == "bf16") for on, _ in steps)
-    assert precision == "fp32" or {dtype for _, dtype in steps} == {torch.bfloat16}
+    assert len(steps) == 3 and all(on == (half is not None) for on, _ in steps)
+    assert half is None or {dtype for _, dtype in steps} == {half}
     assert r["precision"] == precision and cfg.arithmetic() == precision
-    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if precision == "bf16" else 1e-5)
+    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if half is not None else 1e-5)
     assert all(p.dtype == torch.float32 for p in dense.parameters())
     assert DemoConfig(device="cuda").arithmetic() == "bf16" and DemoConfig().arithmetic() == "fp32"
+
+
+def test_cuda_s_default_precision_is_fp16_on_a_gpu_without_bf16(monkeypatch):
+    """Before Ampere (a T4, a V100) torch only emulates bf16 and Triton compiles no bf16 kernel: the default
+    there is fp16 (its loss scaled), bf16 elsewhere on CUDA, fp32 on the CPU; an explicit choice stands."""
+    from comera_compile.examples.demo_dist import resolve_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for native, expected in ((False, "fp16"), (True, "bf16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, n=native: n)
+        assert resolve_precision(None, "cuda") == expected
+        assert DemoConfig(device="cuda").arithmetic() == expected
+    assert resolve_precision(None, "cpu") == "fp32" and resolve_precision("bf16", "cuda") == "bf16"
+
+
+def _scaler_starting_at(monkeypatch, scale: float) -> None:
+    """Every GradScaler made from now on starts at `scale`: one far too large overflows float16's gradients
+    at the first steps, which the scaler then skips, halving the scale each time."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device="cuda", **kw: real(device, init_scale=scale))
+
+
+def test_fp16_steps_the_loss_scaler_skipped_leave_rank_adaptive_and_the_curve_alone(tiny_data, monkeypatch):
+    """CoMERA at --precision fp16 (eager steps) with a scaler starting at 2^28: the first steps (and, as the
+    gradients grow, a later one) overflow and are skipped.  RankAdaptive steps only after the others, the skipped steps' losses are None in the history
+    (finite elsewhere) and counted in skipped_steps, and the run trains on after them."""
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=24, evals=1, precision="fp16", compile=False)
+    _, tt = code_mlm.build_models(cfg, data.vocab_size)
+    _scaler_starting_at(monkeypatch, 2.0 ** 28)
+    calls = []
+    ra_step = cc.RankAdaptive.step
+    monkeypatch.setattr(cc.RankAdaptive, "step", lambda ra, loss=None: calls.append(loss) or ra_step(ra, loss))
+    r = demo_train.train_one("comera", tt, cfg, data, 10_000)
+    losses = r["history"]["loss"]
+    skipped = [i for i, v in enumerate(losses) if v is None]
+    assert r["skipped_steps"] == len(skipped) > 0 and skipped[0] == 0
+    assert len(calls) == cfg.steps - len(skipped) > 0
+    assert all(math.isfinite(v) for v in losses if v is not None)
+    said = demo_report.skipped_words({"dense": {"skipped_steps": 0}, "comera": r}, {"comera": "CoMERA"})
+    assert said.endswith(f": CoMERA {len(skipped)}.")   # the table's last line; none where no step was skipped
+    assert demo_report.skipped_words({"dense": {"skipped_steps": 0}}, {}) is None
+
+
+def test_a_run_whose_every_step_overflows_float16_stops_with_what_to_do(tiny_data, monkeypatch):
+    """A loss scaler that skips step after step (here: a scale of 2^40 and at most 3 skips in a row) means
+    the run diverged: an error that says so and what to change, not a run that trains nothing."""
+    from comera_compile.examples import demo_dist
+
+    cfg, data, _ = tiny_data
+    cfg = replace(cfg, minutes=None, steps=10, evals=1, precision="fp16", compile=False)
+    dense, _ = code_mlm.build_models(cfg, data.vocab_size)
+    _scaler_starting_at(monkeypatch, 2.0 ** 40)
+    monkeypatch.setattr(demo_dist, "MAX_SKIPPED", 3)
+    with pytest.raises(DemoError, match="skipped 4 steps in a row.*lower the learning rate"):
+        demo_train.train_one("dense", dense, cfg, data, demo_train.encoder_params(dense))
 
 
 # -- a whole run -------------------------------------------------------------------------------------------

@@ -73,8 +73,8 @@ def test_float16_autocast_trains_gradients_float16_cannot_hold(case):
 def test_an_overflowing_step_is_skipped_with_rank_adaptive():
     """A batch that overflows float16 (the first layer's output scaled by 1e6): the step leaves every parameter
     and the optimizer's state (moments and step counts, in the fused AdamW that takes the scaler's overflow
-    flag itself) as they were, RankAdaptive does not count it, and the scale halves; the next batch trains
-    and is counted."""
+    flag itself) as they were, RankAdaptive does not count it, the scale halves and step.skipped says so; the
+    next batch trains and is counted."""
     model = _net()
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
     ra = cc.RankAdaptive(model, optimizer=opt)
@@ -91,9 +91,9 @@ def test_an_overflowing_step_is_skipped_with_rank_adaptive():
     assert all(torch.equal(opt.state[p][k], v) for p, kept in zip(model.parameters(), state)
                for k, v in kept.items()), "a skipped step changed the optimizer's state"
     assert getattr(opt, "_step_supports_amp_scaling", False), "the fused AdamW should take the scale itself"
-    assert step.scaler.get_scale() == scale / 2
+    assert step.scaler.get_scale() == scale / 2 and step.skipped
     assert ra.steps == counted
-    assert torch.isfinite(step(x, y))
+    assert torch.isfinite(step(x, y)) and not step.skipped
     assert ra.steps == counted + 1
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), params))
 

@@ -267,11 +267,12 @@ def test_a_second_pass_over_the_training_text_is_said_and_counted(keep_threads):
 
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monkeypatch):
-    """--precision bf16 runs forward and loss under bf16 autocast (the logits the loss reads are bf16, the first
-    loss is eager autocast's, the weights and their optimizer state stay fp32); fp32 runs in fp32 (the first
-    loss is the fp32 model's).  The CPU's float32 matmul setting is left as it was."""
+    """--precision bf16 (fp16) runs forward and loss under bf16 (fp16) autocast (the logits the loss reads are
+    bf16 (fp16), the first loss is eager autocast's, the weights and their optimizer state stay fp32; fp16's
+    loss scaled by the step's GradScaler); fp32 runs in fp32 (the first loss is the fp32 model's).  The CPU's
+    float32 matmul setting is left as it was."""
     from comera_compile.examples import lm_train
     from comera_compile.examples.demo_dist import arithmetic
 
@@ -285,15 +286,17 @@ def test_the_step_runs_in_the_precision_asked_for(precision, keep_threads, monke
                             progress=False, precision=precision)
     model = lp.build_model(MICRO_SHAPE, 300, seed=0)
     first = next(lp.batches(data[:10], 2, seed=0))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    with torch.no_grad(), torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
         expected = float(lp.causal_lm_loss(model(input_ids=first, use_cache=False).logits, first))
     before = torch.get_float32_matmul_precision()
     with arithmetic(cfg.arithmetic(), torch.device("cpu")) as dtype:
         assert torch.get_float32_matmul_precision() == before
         r = lp.train_one("dense", model, cfg, data[:10], data[10:], log=lambda _: None)
-    assert dtype == (torch.bfloat16 if precision == "bf16" else None) and r["precision"] == precision
-    assert seen and set(seen) == {torch.bfloat16 if precision == "bf16" else torch.float32}
-    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if precision == "bf16" else 1e-5)
+    assert dtype == half and r["precision"] == precision
+    assert seen and set(seen) == {half or torch.float32}
+    assert r["history"]["loss"][0] == pytest.approx(expected, rel=1e-2 if half is not None else 1e-5)
+    assert r["skipped_steps"] == 0
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert lp.PretrainConfig(device="cpu").arithmetic() == "fp32"
     assert lp.PretrainConfig(device="cuda").arithmetic() == "bf16"

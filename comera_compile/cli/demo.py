@@ -77,8 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"where both models train (default cpu); cuda also makes --batch default to "
                         f"{CUDA_DEMO_BATCH} and times each step to the end of its GPU work")
     d.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA) or bf16 (autocast; "
-                        "weights and optimizer state in fp32); default bf16 on CUDA, fp32 on the CPU")
+                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA), bf16 (autocast; "
+                        "weights and optimizer state in fp32) or fp16 (autocast, the loss scaled); default bf16 on "
+                        "CUDA (fp16 on GPUs without bf16), fp32 on the CPU")
     d.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train data-parallel on N local processes (started through torchrun; gloo on CPU, nccl on "
                         "CUDA), each on its rows of every global batch of --batch rows; on several machines "

@@ -89,8 +89,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="intra-op CPU threads (default: the preset's; tiny: 1, the others: torch's, all cores)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="where the models train (default cpu)")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
-                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA) or bf16 (autocast; "
-                        "weights and optimizer state in fp32); default bf16 on CUDA, fp32 on the CPU")
+                   help="the training steps' arithmetic: fp32, tf32 (fp32 with TF32 matmuls, CUDA), bf16 (autocast; "
+                        "weights and optimizer state in fp32) or fp16 (autocast, the loss scaled); default bf16 on "
+                        "CUDA (fp16 on GPUs without bf16), fp32 on the CPU")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train data-parallel (DDP) on N local processes started through torchrun, each on its rows "
                         "of every global batch, as demo --nproc")
