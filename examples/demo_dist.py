@@ -61,7 +61,8 @@ class World:
 
 def resolve_precision(precision: str | None, device: str) -> str:
     """The precision asked for, or the default: fp32 on the CPU; on CUDA bf16, or fp16 on a GPU without bf16
-    arithmetic of its own (before Ampere: torch would emulate bf16 there, and Triton compiles no bf16 kernel)."""
+    arithmetic of its own (before Ampere: torch emulates bf16 there, and Inductor's bf16 Triton kernels fail
+    to assemble for it)."""
     if precision is not None:
         return precision
     if device != "cuda":

@@ -339,7 +339,7 @@ def test_the_step_runs_in_the_precision_asked_for(tiny_data, precision, monkeypa
 
 
 def test_cuda_s_default_precision_is_fp16_on_a_gpu_without_bf16(monkeypatch):
-    """Before Ampere (a T4, a V100) torch only emulates bf16 and Triton compiles no bf16 kernel: the default
+    """Before Ampere (a T4, a V100) torch only emulates bf16 and Inductor's bf16 kernels fail: the default
     there is fp16 (its loss scaled), bf16 elsewhere on CUDA, fp32 on the CPU; an explicit choice stands."""
     from comera_compile.examples.demo_dist import resolve_precision
 
