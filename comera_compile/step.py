@@ -332,7 +332,7 @@ def _loss_scaler(scaler: Any, autocast: torch.dtype | None, device_type: str, cu
     if compile_optimizer:
         raise ValueError("compile_optimizer=True with a loss scaler (float16 autocast makes one): the scaler steps "
                          "the optimizer itself, skipping steps whose gradients overflowed; leave compile_optimizer "
-                         "at its default (the fused optimizer takes the scale without a host read)")
+                         "at its default")
     return scaler
 
 

@@ -360,8 +360,9 @@ def _scaler_starting_at(monkeypatch, scale: float) -> None:
 
 def test_fp16_steps_the_loss_scaler_skipped_leave_rank_adaptive_and_the_curve_alone(tiny_data, monkeypatch):
     """CoMERA at --precision fp16 (eager steps) with a scaler starting at 2^28: the first steps (and, as the
-    gradients grow, a later one) overflow and are skipped.  RankAdaptive steps only after the others, the skipped steps' losses are None in the history
-    (finite elsewhere) and counted in skipped_steps, and the run trains on after them."""
+    gradients grow, a later one) overflow and are skipped.  RankAdaptive steps only after the others, the
+    skipped steps' losses are None in the history (finite elsewhere) and counted in skipped_steps and in the
+    table's last line, and the run trains on after them."""
     cfg, data, _ = tiny_data
     cfg = replace(cfg, minutes=None, steps=24, evals=1, precision="fp16", compile=False)
     _, tt = code_mlm.build_models(cfg, data.vocab_size)

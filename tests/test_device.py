@@ -322,6 +322,52 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch_in_each_cuda_grap
     _train_as_eager_steps(device, graphs, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), micro_batches=4)
 
 
+@pytest.mark.parametrize("graphs", ["compiled", "auto"])
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_batches):
+    """compile_step(autocast=torch.float16) makes its own GradScaler: 8 steps against torch's eager recipe
+    (forward under float16 autocast, scaler.scale(loss).backward(), scaler.step, scaler.update) with the same
+    AdamW, whole or in 4 micro-batches.  The parameters move as the eager loop's (their difference within 5%
+    of the eager update), no step is skipped, and on CUDA "auto" keeps per-graph replays with a warning (the
+    scaler's overflow check is a host read), recording in the first steps only."""
+    x, target = _batch(device, 32)
+    loss_fn = nn.CrossEntropyLoss()
+    eager = _tensorized_net(device)
+    start = [p.detach().clone() for p in eager.parameters()]
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.0)
+    scaler = torch.amp.GradScaler(device.type)
+    for _ in range(8):
+        with torch.autocast(device.type, dtype=torch.float16):
+            loss = loss_fn(eager(x), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    model = _tensorized_net(device)
+    warns = pytest.warns(UserWarning, match="loss scaler") if device.type == "cuda" and graphs == "auto" \
+        else warnings.catch_warnings()
+    with warns:
+        step = cc.compile_step(model, loss_fn, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0),
+                               autocast=torch.float16, cuda_graphs=graphs, micro_batches=micro_batches)
+    assert step.cuda_graphs == ("compiled" if device.type == "cuda" else None)
+    skipped = []
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            step(x, target)
+            skipped.append(step.skipped)
+
+    with CudaGraphCaptures() as captures:
+        run(4)
+        recorded = captures.count
+        run(4)
+    assert not any(skipped) and step.scaler.get_scale() == scaler.get_scale()
+    for (name, p), q, p0 in zip(model.named_parameters(), eager.parameters(), start):
+        assert (p - q).norm() <= 0.05 * (q - p0).norm() + 1e-6, name
+    if device.type == "cuda":
+        assert recorded > 0 and captures.count == recorded
+
+
 def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
     """SGD with momentum under a per-step LambdaLR, cuda_graphs="step": compile_step makes SGD fused and its
     rate a device tensor the scheduler fills, so one capture serves every rate, and the steps equal eager
