@@ -322,8 +322,7 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch_in_each_cuda_grap
     _train_as_eager_steps(device, graphs, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), micro_batches=4)
 
 
-@pytest.mark.parametrize("graphs", ["compiled", "auto"])
-@pytest.mark.parametrize("micro_batches", [1, 4])
+@pytest.mark.parametrize("graphs, micro_batches", [("compiled", 1), ("auto", 4)])   # two compiles: GPU minutes are few
 def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_batches):
     """compile_step(autocast=torch.float16) makes its own GradScaler: 8 steps against torch's eager recipe
     (forward under float16 autocast, scaler.scale(loss).backward(), scaler.step, scaler.update) with the same
