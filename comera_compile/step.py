@@ -230,10 +230,11 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
 
     def run(*args: Any) -> torch.Tensor:
+        # read before any kernel of this step is queued (a read after backward would hold the optimizer's back)
+        before = scaler.get_scale() if scaling else 0.0
         loss = forward_backward(*args)
         owned.clear()
         if scaling:   # a scale that dropped is a step the scaler skipped (its backoff factor is below 1)
-            before = scaler.get_scale()
             scaler.step(optimizer)
             scaler.update()
             step.skipped = scaler.get_scale() < before

@@ -177,6 +177,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
 
         def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             scale = scaler.scale if scaler is not None else (lambda loss: loss)
+            before = scaler.get_scale() if scaler is not None else 0.0   # read before the step's kernels queue
             if cfg.micro_batches > 1:   # the accumulation compile_step runs, uncompiled
                 loss = accumulate(part_loss, pack((inputs, positions, labels), {}), forward, loss_fn,
                                   cfg.micro_batches, "rows", scale=scale)
@@ -186,7 +187,6 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             if scaler is None:
                 opt.step()
             else:   # the scale drops only where the scaler skipped the step
-                before = scaler.get_scale()
                 scaler.step(opt)
                 scaler.update()
                 eager.skipped = scaler.get_scale() < before
