@@ -43,7 +43,8 @@ OPTIONS: dict[str, tuple[Any, str]] = {
     "cudagraphs": (True, "on CUDA inputs, replay the compiled graphs with CUDA Graphs (Inductor's cudagraph "
                          "trees); ignored on CPU"),
     "contraction": (True, "expand TT-layer call_module nodes into their planned contractions"),
-    "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True}"),
+    "inductor": ({}, "extra Inductor config patches, e.g. {'max_autotune': True} (Inductor's config names are also "
+                     "taken beside the options here, as torch.compile takes them for Inductor)"),
     "fast_dropout": (True, "dropout masks from an integer hash of the element index computed inside Inductor's "
                            "kernels (ops.hash_dropout) instead of a per-element draw from torch's generator: same "
                            "distribution, different bits, several times cheaper; the backward recomputes "
@@ -72,11 +73,25 @@ OPTIONS: dict[str, tuple[Any, str]] = {
 
 
 def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """The backend's options with their defaults filled in.  Inductor's own config names given beside them
+    (``options={"max_autotune": True}``, as torch.compile takes them for Inductor) join the 'inductor'
+    patches; a name that is neither is an error listing the valid ones."""
+    from torch._inductor import list_options
+
     options = dict(options or {})
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
+    unknown = set(options) - set(OPTIONS)
+    config = unknown & set(list_options())
+    if unknown - config:
         valid = "; ".join(f"{k} (default {v[0]!r}): {v[1]}" for k, v in OPTIONS.items())
-        raise ValueError(f"unknown option(s) {unknown} for backend 'comera'; valid options: {valid}")
+        raise ValueError(f"unknown option(s) {sorted(unknown - config)} for backend 'comera' (not an Inductor config "
+                         f"name either); valid options: {valid}")
+    if config:
+        given = dict(options.get("inductor") or {})
+        clash = sorted(k for k in config if k in given and given[k] != options[k])
+        if clash:
+            raise ValueError(f"options {clash} given twice, beside 'inductor' and inside it, with different values; "
+                             f"give each once")
+        options["inductor"] = {**given, **{k: options.pop(k) for k in config}}
     out = {k: v[0] for k, v in OPTIONS.items()}
     out.update(options)
     flags = ("cudagraphs", "contraction", "fast_dropout", "recompute_materialized", "materialize_casts",

@@ -130,8 +130,41 @@ def test_mark_dynamic_recompiles_only_where_the_plan_changes():
 def test_unknown_option_lists_valid_ones():
     model = nn.Linear(4, 4)
     compiled = torch.compile(model, backend="comera", options={"cudagraph": False})
-    with pytest.raises(Exception, match="valid options: cudagraphs"):
+    with pytest.raises(Exception, match=r"\['cudagraph'\].*valid options: cudagraphs"):
         compiled(torch.randn(2, 4))
+
+
+def test_inductor_config_names_beside_the_options_reach_inductor():
+    """options={"max_autotune": True}, as torch.compile takes Inductor's settings, is Inductor's patch as if given
+    in 'inductor'; a joint-graph pass given that way runs in a real compile, whose gradient matches eager.  The
+    same name twice with different values is an error; a name Inductor does not know is still one."""
+    assert inductor_config({"cpu"}, None, {"max_autotune": True, "contraction": True})["max_autotune"] is True
+    both = inductor_config({"cpu"}, None, {"epilogue_fusion": False, "inductor": {"shape_padding": False}})
+    assert both["epilogue_fusion"] is False and both["shape_padding"] is False
+    with pytest.raises(ValueError, match="given twice"):
+        inductor_config({"cpu"}, None, {"max_autotune": True, "inductor": {"max_autotune": False}})
+    with pytest.raises(ValueError, match=r"\['max_autotun'\].*not an Inductor config name"):
+        inductor_config({"cpu"}, None, {"max_autotun": True})
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    seen = []
+
+    class Counting(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(len(graph.nodes))
+
+        def uuid(self):
+            return "counting/1"
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    x = torch.randn(5, 8, requires_grad=True)
+    compiled = torch.compile(model, backend="comera", options={"joint_custom_pre_pass": Counting(),
+                                                               "fx_graph_cache": False})
+    (grad,) = torch.autograd.grad(compiled(x).sum(), x)
+    (ref,) = torch.autograd.grad(model(x).sum(), x)
+    assert seen and seen[0] > 0
+    torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_cuda_path_decisions_on_cpu():
