@@ -235,6 +235,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         loss = forward_backward(*args)
         owned.clear()
         if scaling:   # a scale that dropped is a step the scaler skipped (its backoff factor is below 1)
+            scaler.unscale_(optimizer)   # the optimizer's pre-hooks (clipping) see the true gradients
             scaler.step(optimizer)
             scaler.update()
             step.skipped = scaler.get_scale() < before

@@ -173,3 +173,28 @@ def test_the_scaler_finds_a_scale_for_loss_magnitudes_from_1e_7_to_1e2(exponent,
     assert not step.skipped, "the scaler found no scale in 40 halvings"
     error = ((got - expected).norm() / expected.norm()).item()
     assert error < 2e-2, f"{error:.3g} off the float64 step at a loss scaled by 1e{exponent}"
+
+
+def test_an_optimizer_pre_hook_clips_the_unscaled_gradients():
+    """Gradient clipping in an optimizer step pre-hook (as pretrain clips), at float16 autocast: the hook sees
+    the true gradients, not the scaled ones, also where the fused SGD takes the scale in its kernel.  One SGD
+    step clipped to norm 0.01 moves the parameters as the float64 step clipped alike (clipping the scaled
+    gradients would have moved them 65536 times less)."""
+    def clip(optimizer, args, kwargs):
+        torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], 0.01)
+
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+    ref = _net(torch.float64)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=1.0)
+    ref_opt.register_step_pre_hook(clip)
+    expected = _update(ref, lambda: (F.cross_entropy(ref(x.double()), y).backward(), ref_opt.step()))
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt.register_step_pre_hook(clip)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.float16, backend="eager")
+    got = _update(model, lambda: step(x, y))
+    assert getattr(opt, "_step_supports_amp_scaling", False), "the fused SGD should take the scale itself"
+    assert expected.norm().item() == pytest.approx(0.01, rel=1e-6)
+    error = ((got - expected).norm() / expected.norm()).item()
+    assert error < 2e-2, f"the clipped float16 step is {error:.3g} off the float64 one"
