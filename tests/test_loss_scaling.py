@@ -1,7 +1,10 @@
 """float16 autocast in a compiled step: ``compile_step(..., autocast=torch.float16)`` scales the loss with a
 GradScaler of its own, so gradients too small for float16 still train (against the float64 step without
-autocast), skips a step whose gradients overflowed (RankAdaptive included), and refuses the modes a scaler
-cannot run in.  bfloat16 autocast needs no scaler and gets none."""
+autocast, over loss magnitudes from 1e-7 to 1e2), skips a step whose gradients overflowed (RankAdaptive
+included), hands optimizer pre-hooks such as gradient clipping the unscaled gradients, and refuses the modes
+a scaler cannot run in.  bfloat16 autocast needs no scaler and gets none.  A loop of one's own (README) and
+two processes under FSDP2 (tests/test_fsdp.py) skip alike; the CUDA tier runs it against torch's eager
+GradScaler loop (tests/test_device.py)."""
 
 from __future__ import annotations
 
