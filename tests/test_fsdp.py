@@ -200,8 +200,7 @@ def _float16_steps(rank: int, world: int, out: str) -> None:
 
 def test_a_step_that_overflows_on_one_process_is_skipped_on_every_process(tmp_path):
     """float16 under FSDP2: process 0's rows overflow, process 1's do not; both skip that step (the sharded
-    gradients' overflow check is one for all), their scales halve alike, and the steps before and after it
-    train."""
+    gradients' overflow check is one for all), their scales halve alike, and the step after it trains."""
     _spawn(_float16_steps, 2, str(tmp_path / "fp16"))
     (p0, s0), (p1, s1), (p2, s2) = torch.load(tmp_path / "fp16")
     assert s0[0] == s0[1] and s1 == [s0[0] / 2] * 2 and s2 == s1
