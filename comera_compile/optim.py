@@ -13,8 +13,8 @@ from torch import nn
 from .distributed import is_sharded
 from .layers import tt_layers
 
-__all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "check_retired", "retire",
-           "unwrapped", "skipped_step", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
+__all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "scaled_step", "check_retired",
+           "retire", "unwrapped", "skipped_step", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -90,6 +90,17 @@ def fused_takes_the_scale(optimizer: torch.optim.Optimizer) -> None:
     accelerate tells a skipped step by the optimizer's step() not being called, which this would hide."""
     if optimizer.param_groups and all(group.get("fused") for group in optimizer.param_groups):
         optimizer._step_supports_amp_scaling = True
+
+
+def scaled_step(scaler: Any, optimizer: Any, scale_before: float) -> bool:
+    """The optimizer step through a GradScaler: gradients unscaled first (so step pre-hooks, gradient clipping
+    among them, see the true ones), the step skipped where they overflowed, the scale updated.  Returns whether
+    it was skipped: the scale falls only then (GradScaler's backoff factor is below 1), against
+    `scale_before`, read before the step's kernels were queued."""
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() < scale_before
 
 
 def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

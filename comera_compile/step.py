@@ -147,7 +147,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
     the gradient of the global batch's token mean, one all-reduce of the counts per call (for a loss_fn's
     "tokens" too); each process's call returns its own batch's token mean."""
-    from comera_compile.optim import FAST_KEY, fused_takes_the_scale, prefer_fast_implementation
+    from comera_compile.optim import FAST_KEY, fused_takes_the_scale, prefer_fast_implementation, scaled_step
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
@@ -234,11 +234,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         before = scaler.get_scale() if scaling else 0.0
         loss = forward_backward(*args)
         owned.clear()
-        if scaling:   # a scale that dropped is a step the scaler skipped (its backoff factor is below 1)
-            scaler.unscale_(optimizer)   # the optimizer's pre-hooks (clipping) see the true gradients
-            scaler.step(optimizer)
-            scaler.update()
-            step.skipped = scaler.get_scale() < before
+        if scaling:
+            step.skipped = scaled_step(scaler, optimizer, before)
         else:
             opt_step()
         optimizer.zero_grad(set_to_none=True)

@@ -21,6 +21,7 @@ from comera_compile.examples.code_data import mask_batch
 from comera_compile.examples.demo_dist import World, agree, autocast_dtype, skipped_in_a_row, wrap
 from comera_compile.examples.demo_report import step_figures
 from comera_compile.micro_batches import accumulate, pack, unpack
+from comera_compile.optim import scaled_step
 
 if TYPE_CHECKING:
     from comera_compile.examples.code_mlm import DemoConfig
@@ -186,10 +187,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
                 scale(loss).backward()
             if scaler is None:
                 opt.step()
-            else:   # the scale drops only where the scaler skipped the step
-                scaler.step(opt)
-                scaler.update()
-                eager.skipped = scaler.get_scale() < before
+            else:
+                eager.skipped = scaled_step(scaler, opt, before)
             opt.zero_grad(set_to_none=True)
             return loss.detach()
 
