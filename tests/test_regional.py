@@ -556,6 +556,49 @@ def test_the_readme_compile_step_lines_take_a_transformers_batch_and_the_model_s
         names["step"](input_ids=loader[0]["input_ids"])
 
 
+def test_a_12_layer_llama_at_float16_trains_as_torch_s_gradscaler_loop(fresh_dynamo):
+    """compile_step at its defaults (backend "comera", the 12 layers compiled one by one) with
+    autocast=torch.float16, the model's own loss over padded labels, two micro-batches and RankAdaptive:
+    4 steps against torch's eager float16 recipe on the whole batch (autocast forward, GradScaler: scale,
+    unscale_, step, update; then ra.step).  The losses agree to float16's precision, the parameters within 5%
+    of the eager run's update, no step is skipped, RankAdaptive steps alike, one graph serves every layer."""
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    start = [p.detach().clone() for p in twin.parameters()]
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(1, VOCAB, (4, 32), generator=g)
+        mask = (torch.arange(32) < torch.tensor([32, 5, 20, 9])[:, None]).long()
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    twin_opt = torch.optim.AdamW(cc.param_groups(twin, lr=1e-3))
+    twin_ra = cc.RankAdaptive(twin, optimizer=twin_opt)
+    scaler = torch.amp.GradScaler("cpu")
+    expected = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = twin(**batch).loss
+        scaler.scale(loss).backward()
+        scaler.unscale_(twin_opt)
+        scaler.step(twin_opt)
+        scaler.update()
+        twin_opt.zero_grad()
+        twin_ra.step(loss.detach())
+        expected.append(loss.detach().float())
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3))
+    ra = cc.RankAdaptive(model, optimizer=opt)
+    step = cc.compile_step(model, None, opt, rank_adaptive=ra, micro_batches=2, autocast=torch.float16)
+    losses, skipped = [], []
+    for batch in batches:
+        losses.append(step(**batch).float())
+        skipped.append(step.skipped)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-2, atol=1e-2)
+    assert not any(skipped) and ra.steps == twin_ra.steps == 4 and step.scaler.get_scale() == scaler.get_scale()
+    for (name, p), q, p0 in zip(model.named_parameters(), twin.parameters(), start):
+        assert (p - q).norm() <= 0.05 * (q - p0).norm() + 1e-6, name
+    assert _graphs() == 1 and eager_blocks(model) == {}
+
+
 def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypatch, fresh_dynamo):
     """compile_step(cuda_graphs="auto") on a 12-layer Llama at the defaults (backend "comera", CoMERA's
     param_groups, RankAdaptive at its defaults), as on one GPU, the capture simulated on the CPU
