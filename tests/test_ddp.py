@@ -225,6 +225,39 @@ def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_pro
     torch._dynamo.reset()
 
 
+def _float16_worker(rank: int, world: int, port: int, out: str) -> None:
+    """compile_step at its defaults and float16 autocast on DDP(encoder): 3 steps, the second overflowing on
+    process 0's rows only (scaled by 1e6); each process saves its parameters after each step and its skips."""
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        ddp = nn.parallel.DistributedDataParallel(_stack())
+        step = cc.compile_step(ddp, nn.functional.mse_loss, torch.optim.SGD(ddp.parameters(), lr=0.05),
+                               autocast=torch.float16)
+        g = torch.Generator().manual_seed(1)
+        saved = []
+        for i in range(3):
+            x, y = torch.randn(4, 5, 64, generator=g), torch.randn(4, 5, 64, generator=g)
+            step(x * (1e6 if i == 1 and rank == 0 else 1.0), y)
+            saved.append(([p.detach().clone() for p in ddp.parameters()], step.skipped))
+        torch.save(saved, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_a_float16_step_overflowing_on_one_process_is_skipped_by_every_ddp_replica(tmp_path):
+    """DDP averages the gradients before the scaler's overflow check, so an overflow on one process is every
+    process's: both skip that step and no replica diverges; the steps around it train, alike everywhere."""
+    out = str(tmp_path / "fp16")
+    mp.spawn(_float16_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    assert [skipped for _, skipped in a] == [skipped for _, skipped in b] == [False, True, False]
+    for (pa, _), (pb, _) in zip(a, b):
+        assert all(torch.equal(p, q) for p, q in zip(pa, pb)), "the replicas diverged"
+    assert all(torch.equal(p, q) for p, q in zip(a[0][0], a[1][0])), "the skipped step changed a parameter"
+    assert any(not torch.equal(p, q) for p, q in zip(a[1][0], a[2][0])), "the step after it did not train"
+    torch._dynamo.reset()
+
+
 def _padded_llama_batches() -> list[dict[str, torch.Tensor]]:
     """STEPS batches of 8 rows, each row padded after its own length (-100 labels, mask 0): the first four
     rows are short, so the first process's half holds far fewer label tokens than the second's."""
