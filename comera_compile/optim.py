@@ -14,7 +14,7 @@ from .distributed import is_sharded
 from .layers import tt_layers
 
 __all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "scaled_step", "check_retired",
-           "retire", "unwrapped", "skipped_step", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
+           "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -131,13 +131,40 @@ def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
 
 
 def skipped_step(optimizer: Any) -> bool:
-    """Whether a wrapper's last ``step()`` left the parameters unchanged: accelerate's optimizer inside
+    """Whether the last ``step()`` left the parameters unchanged: accelerate's optimizer inside
     ``accelerator.accumulate`` before the last micro-batch (gradients not yet synchronized), or after a
-    float16 overflow.  What follows an optimizer step (an LR scheduler's, RankAdaptive's) skips then too."""
+    float16 overflow (accelerate's flag, or the flag a GradScaler handed a fused optimizer under
+    watch_overflow).  What follows an optimizer step (an LR scheduler's, RankAdaptive's) skips then too."""
+    found_inf = _FOUND_INF.pop(unwrapped(optimizer), None) if optimizer is not None else None
     state = getattr(optimizer, "gradient_state", None)
     if state is not None and not getattr(state, "sync_gradients", True):
         return True
-    return bool(getattr(optimizer, "step_was_skipped", False))
+    if getattr(optimizer, "step_was_skipped", False):
+        return True
+    return found_inf is not None and bool(found_inf.item())
+
+
+# The overflow flag a GradScaler handed each watched optimizer at its last step.  A scaler steps an optimizer
+# built with fused=True (the Trainer's default AdamW) even when the gradients overflowed: the kernel skips the
+# update, so neither "step() was not called" (accelerate's test) nor anything after the step tells a skipped
+# step.  The flag is set on the optimizer for that call only; a step pre-hook keeps it for skipped_step.
+_FOUND_INF: "weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor]" = weakref.WeakKeyDictionary()
+_OVERFLOW_WATCHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
+
+
+def watch_overflow(optimizer: torch.optim.Optimizer) -> None:
+    """From now on skipped_step sees the steps of `optimizer` that a GradScaler skipped inside its fused kernels
+    (its own step pre-hook, registered once; read at the next skipped_step, one host read then)."""
+    if optimizer not in _OVERFLOW_WATCHED:
+        _OVERFLOW_WATCHED[optimizer] = optimizer.register_step_pre_hook(_record_found_inf)
+
+
+def _record_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    found_inf = getattr(optimizer, "found_inf", None)
+    if isinstance(found_inf, torch.Tensor):
+        _FOUND_INF[optimizer] = found_inf
+    else:
+        _FOUND_INF.pop(optimizer, None)
 
 
 def check_retired(optimizer: torch.optim.Optimizer) -> None:

@@ -367,6 +367,50 @@ def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_
         assert recorded > 0 and captures.count == recorded
 
 
+def test_the_trainer_s_fp16_overflow_skips_rank_adaptive(device, tmp_path):
+    """``TrainingArguments(fp16=True)`` at transformers' default optimizer (fused AdamW, which takes the
+    scaler's overflow flag in its kernel, so accelerate does not see the skip): a batch that overflows float16
+    at the second step leaves the parameters alone, and RankAdaptive's callback skips that step too."""
+    needs_cuda(device, "accelerate's fp16 (it refuses the CPU)")
+    transformers = pytest.importorskip("transformers")
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.factor = _tensorized_net(device), 1.0
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            logits = self.net(x * self.factor)
+            return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
+
+    class Overflow(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            model.factor = 1e6 if state.global_step == 1 else 1.0
+
+    x, y = _batch(torch.device("cpu"), 64)
+    model = Classifier()
+    ra = cc.RankAdaptive(model)
+    moved = []
+
+    class Moved(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            self.before = [p.detach().clone() for p in model.parameters()]
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            moved.append(any(not torch.equal(p, q) for p, q in zip(model.parameters(), self.before)))
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=16, learning_rate=1e-3, fp16=True,
+        report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    assert args.optim == "adamw_torch_fused"
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[{"x": a, "labels": b} for a, b in
+                                                                          zip(x, y)],
+                                   callbacks=[Overflow(), Moved(), ra.trainer_callback()])
+    trainer.train()
+    assert moved == [True, False, True, True]
+    assert ra.steps == 3
+
+
 def test_whole_step_graph_reads_a_scheduled_sgd_rate_each_replay(device):
     """SGD with momentum under a per-step LambdaLR, cuda_graphs="step": compile_step makes SGD fused and its
     rate a device tensor the scheduler fills, so one capture serves every rate, and the steps equal eager

@@ -147,6 +147,51 @@ def test_the_readme_s_own_loop_skips_rank_adaptive_with_the_scaler():
     assert ra.steps == 2
 
 
+@pytest.mark.parametrize("wrapper", ["torch", "accelerate"])
+def test_rank_adaptive_skips_a_step_a_fused_optimizer_skipped_in_its_kernel(wrapper):
+    """A GradScaler steps an optimizer built with fused=True (transformers' default AdamW) even where the
+    gradients overflowed, the kernel leaving the parameters alone, so accelerate's test (step() not called)
+    misses the skip and the Trainer's callback used to run ra.step on it.  ``ra.step()`` right after the step,
+    with no check of one's own (the Trainer's callback; a plain loop; accelerate's wrapper, which holds the
+    scaler): over an overflowing batch between two good ones, RankAdaptive and the parameters end as the run
+    that never saw the bad batch."""
+    if wrapper == "accelerate":
+        accelerate = pytest.importorskip("accelerate")
+        from accelerate.optimizer import AcceleratedOptimizer
+        accelerate.Accelerator(cpu=True)   # the state its wrapper reads; CPU gets no scaler of its own
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+
+    def run(factors: tuple[float, ...]) -> tuple[nn.Module, cc.RankAdaptive, list[bool]]:
+        model = _net()
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-3), fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+        stepper = AcceleratedOptimizer(opt, device_placement=False, scaler=scaler) if wrapper == "accelerate" \
+            else opt
+        ra = cc.RankAdaptive(model, optimizer=stepper)
+        moved = []
+        for factor in factors:
+            before = [p.detach().clone() for p in model.parameters()]
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x, scale=factor).float(), y)
+            scaler.scale(loss).backward()
+            if wrapper == "accelerate":
+                stepper.step()   # scaler.step and scaler.update inside
+            else:
+                scaler.step(opt)
+                scaler.update()
+            stepper.zero_grad()
+            ra.step(loss)
+            moved.append(any(not torch.equal(p, q) for p, q in zip(model.parameters(), before)))
+        return model, ra, moved
+
+    model, ra, moved = run((1.0, 1e6, 1.0))
+    ref, ref_ra, _ = run((1.0, 1.0))
+    assert moved == [True, False, True]
+    assert ra.steps == ref_ra.steps == 2
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
 @settings(max_examples=8, deadline=None)
 @given(exponent=st.integers(-7, 2), micro_batches=st.sampled_from([1, 2]), rows=st.sampled_from([8, 12]))
 def test_the_scaler_finds_a_scale_for_loss_magnitudes_from_1e_7_to_1e2(exponent, micro_batches, rows):

@@ -20,7 +20,7 @@ from .. import distributed as _dist
 from ..gauge import balance, canonicalize
 from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
-from ..optim import check_retired, prefer_fast_implementation, skipped_step, unwrapped
+from ..optim import check_retired, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
 from ..optim_state import replace, rescale, restart
 from ..regional import drop_stale_graphs
 from . import cuts
@@ -182,12 +182,12 @@ class RankAdaptive(Reports):
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in a
-        wrapper such as accelerate's, the torch optimizer inside, and a step the wrapper skipped skips here).
-        It takes its fast implementation and, like every optimizer ever attached, raises at a step while it
-        holds a Parameter a cut retired."""
+        wrapper such as accelerate's, the torch optimizer inside).  A step the wrapper or a GradScaler skipped
+        skips here.  It takes its fast implementation and raises at a step while it holds a retired Parameter."""
         self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
         prefer_fast_implementation(self.optimizer)
         check_retired(self.optimizer)
+        watch_overflow(self.optimizer)
 
     def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
         """Call ``fn(ra)`` after every re-allocation (from ``step()`` or ``cut()``), when the cores are new
