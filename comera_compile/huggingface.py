@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -99,9 +100,11 @@ def trainer_callback(ra: Any) -> Any:
     ends.  Each checkpoint the Trainer writes gets ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed
     from one (``trainer.train(resume_from_checkpoint=...)``) takes it back at the start, so rank adaptation
     goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is taken back before
-    the final cut.  With several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP
-    wrapper cannot be rebuilt mid-training, so switched-off slices stay allocated as zeros until the final
-    cut."""
+    the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its loss average: the
+    loss the model returns in training (a forward hook; callbacks are not given the loss), its micro-batches'
+    shares added where the Trainer passed ``num_items_in_batch``, else averaged.  With several processes
+    build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be rebuilt mid-training, so
+    switched-off slices stay allocated as zeros until the final cut."""
     import os
 
     import torch
@@ -120,15 +123,39 @@ def trainer_callback(ra: Any) -> Any:
         ra.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     class RankAdaptiveCallback(TrainerCallback):
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def __init__(self) -> None:
+            self.losses: list[torch.Tensor] = []   # the model's training losses since the step began
+            self.shares = False                    # they are shares of the step's loss (num_items_in_batch)
+            self.hook: Any = None
+
+        def record(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+            if not module.training or torch.compiler.is_compiling():
+                return
+            loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+            if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+                self.losses.append(loss.detach().reshape(()))
+                self.shares = kwargs.get("num_items_in_batch") is not None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
                 load(folder(args, state), f"the Trainer resumes at step {state.global_step} and RankAdaptive is "
                                           f"at step {ra.steps}")
+            if ra.late_stage_at is not None and model is not None and self.hook is None:
+                self.hook = model.register_forward_hook(self.record, with_kwargs=True)
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.losses.clear()
 
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if ra.optimizer is None and optimizer is not None:
                 ra.attach(optimizer)   # accelerate's wrapper: attach takes the torch optimizer inside
-            ra.step()
+            loss = None
+            if self.losses:
+                loss = torch.stack(self.losses).sum() if self.shares else torch.stack(self.losses).mean()
+                if self.shares and getattr(args, "average_tokens_across_devices", False):
+                    loss = loss * args.world_size   # the shares are of every process's tokens, as the Trainer's
+            self.losses.clear()
+            ra.step(loss)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.is_world_process_zero and os.path.isdir(folder(args, state)):
@@ -139,5 +166,8 @@ def trainer_callback(ra: Any) -> Any:
             if args.load_best_model_at_end and best is not None:   # the Trainer loaded that one's weights
                 load(best, f"the Trainer loaded the best checkpoint's weights ({best})")
             ra.cut(share=False)
+            if self.hook is not None:
+                self.hook.remove()
+                self.hook = None
 
     return RankAdaptiveCallback()
