@@ -127,9 +127,10 @@ def trainer_callback(ra: Any) -> Any:
             self.losses: list[torch.Tensor] = []   # the model's training losses since the step began
             self.shares = False                    # they are shares of the step's loss (num_items_in_batch)
             self.hook: Any = None
+            self.warned = False
 
         def record(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
-            if not module.training or torch.compiler.is_compiling():
+            if not module.training:
                 return
             loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
@@ -150,6 +151,15 @@ def trainer_callback(ra: Any) -> Any:
             if ra.optimizer is None and optimizer is not None:
                 ra.attach(optimizer)   # accelerate's wrapper: attach takes the torch optimizer inside
             loss = None
+            if self.hook is not None and not self.losses and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"RankAdaptive's late stage weighs the training loss against the size, but the model returned "
+                    f"no loss the Trainer's callback could read at step {state.global_step} (its loss is computed "
+                    f"outside the model, or the model returns a tuple); the late stage then prunes toward its size "
+                    f"target alone.  Return the loss from the model as transformers' models do (a dict or "
+                    f"ModelOutput with 'loss'), or run RankAdaptive in a loop of your own with ra.step(loss)",
+                    stacklevel=2)
             if self.losses:
                 loss = torch.stack(self.losses).sum() if self.shares else torch.stack(self.losses).mean()
                 if self.shares and getattr(args, "average_tokens_across_devices", False):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -684,16 +685,19 @@ def test_transformers_trainer_runs_the_hook_and_cuts_at_the_end(tmp_path):
     assert ra.allocated_ranks() == ra.ranks()  # the final cut removed every switched-off slice
 
 
-@pytest.mark.parametrize("model_kind", ["llama", "own-loss"])
+@pytest.mark.parametrize("model_kind", ["llama", "llama-torch_compile", "own-loss", "tuple"])
 def test_the_trainer_s_late_stage_is_fed_each_step_s_training_loss(model_kind, tmp_path):
     """With a late stage, the Trainer's callback gives ra.step each optimizer step's training loss, as the Trainer
     logs it (logging_steps=1), over two micro-batches: a transformers Llama, whose micro-batch losses are
     shares of the step's token mean (the Trainer passes num_items_in_batch), and a model of one's own whose
-    loss is a micro-batch mean.  Eval passes in between feed nothing.  The late stage's loss target is then the
-    average of those losses, not 0 (which made every late-stage check prune, whatever the loss did)."""
+    loss is a micro-batch mean; the Llama also with TrainingArguments(torch_compile=True), the whole model in one
+    graph.  Eval passes in between feed nothing.  The late stage's loss target is then the
+    average of those losses, not 0 (which made every late-stage check prune, whatever the loss did).  A model
+    returning a tuple gives the callback no loss to read: a warning says so."""
     transformers = pytest.importorskip("transformers")
     g = torch.Generator().manual_seed(1)
-    if model_kind == "llama":
+    compiled = model_kind.endswith("compile")   # one graph for training (no eval: a second compile)
+    if model_kind.startswith("llama"):
         model = _tiny_llama(transformers)
         data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (40, 16), generator=g)]
         data[0]["labels"] = data[0]["labels"].clone()
@@ -705,20 +709,28 @@ def test_the_trainer_s_late_stage_is_fed_each_step_s_training_loss(model_kind, t
                 self.net = TTLinear(64, 64, rank=8, bias=False)
 
             def forward(self, x, labels=None):
-                return {"loss": ((self.net(x) - labels) ** 2).mean(), "logits": self.net(x)}
+                loss, logits = ((self.net(x) - labels) ** 2).mean(), self.net(x)
+                return (loss, logits) if model_kind == "tuple" else {"loss": loss, "logits": logits}
 
         model = Regressor().double()
         data = [{"x": a, "labels": a.flip(0)} for a in torch.randn(40, 64, generator=g, dtype=torch.float64)]
     ra = RankAdaptive(model, cut_every=2, target_ratio=0.5, late_stage_at=3)
     args = transformers.TrainingArguments(
         str(tmp_path), max_steps=4, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2, save_strategy="no",
-        report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+        learning_rate=1e-3, logging_steps=1, eval_strategy="no" if compiled else "steps", eval_steps=2,
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=0, torch_compile=compiled)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data[:32], eval_dataset=data[32:],
                                    callbacks=[ra.trainer_callback()])
-    trainer.train()
-    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "eval_loss" not in h]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    unread = [w for w in caught if "no loss the Trainer's callback could read" in str(w.message)]
     fed = [r.loss for r in ra.history]
+    if model_kind == "tuple":
+        assert len(unread) == 1 and fed == [None] * 4
+        return
+    assert not unread
+    logged = [h["loss"] for h in trainer.state.log_history if "loss" in h and "eval_loss" not in h]
     assert len(logged) == 4 and fed == pytest.approx(logged, rel=1e-6)
     ema = fed[0]
     for loss in fed[1:3]:
