@@ -141,6 +141,14 @@ def trainer_callback(ra: Any) -> Any:
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
                 load(folder(args, state), f"the Trainer resumes at step {state.global_step} and RankAdaptive is "
                                           f"at step {ra.steps}")
+            if args.torch_compile and model is not None and any(
+                    m.__dict__.get("_comera_compiled_block") for m in model.modules()):
+                warnings.warn(
+                    f"TrainingArguments(torch_compile=True) compiles the whole model with backend "
+                    f"{args.torch_compile_backend or 'inductor'!r}, which traces through the blocks that "
+                    f"cc.compile_blocks compiled (backend 'comera' unless told), so their own backend and comera's "
+                    f"graph passes do not run on them.  Leave torch_compile off to train with the compiled blocks",
+                    stacklevel=2)
             if ra.late_stage_at is not None and model is not None and self.hook is None:
                 self.hook = model.register_forward_hook(self.record, with_kwargs=True)
 

@@ -738,6 +738,22 @@ def test_the_trainer_s_late_stage_is_fed_each_step_s_training_loss(model_kind, t
     assert ra.stage == "late" and ra.loss_target == pytest.approx(ema, rel=1e-9)
 
 
+def test_the_trainer_s_whole_model_compile_over_comera_blocks_is_a_warning(tmp_path):
+    """TrainingArguments(torch_compile=True) over blocks compiled with backend "comera" traces them into its own
+    whole-model graph, so comera's passes would silently not run: the callback says so at the start."""
+    transformers = pytest.importorskip("transformers")
+    model = _tiny_llama(transformers)
+    cc.compile_blocks(model, backend="eager")
+    ra = RankAdaptive(model)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (8, 16))]
+    args = transformers.TrainingArguments(
+        str(tmp_path), max_steps=1, per_device_train_batch_size=8, save_strategy="no", report_to=[], use_cpu=True,
+        disable_tqdm=True, torch_compile=True, torch_compile_backend="eager")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[ra.trainer_callback()])
+    with pytest.warns(UserWarning, match="traces through the blocks that cc.compile_blocks compiled"):
+        trainer.train()
+
+
 def _tiny_llama(transformers):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
