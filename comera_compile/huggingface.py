@@ -96,7 +96,7 @@ RA_STATE_NAME = "rank_adaptive.pt"   # RankAdaptive's state, in each of the Trai
 
 def trainer_callback(ra: Any) -> Any:
     """A ``TrainerCallback`` running `ra` (a RankAdaptive) inside ``Trainer``: ``ra.step()`` after every
-    optimizer step (the Trainer's optimizer attached at the first), ``ra.cut(share=False)`` when training
+    optimizer step (the Trainer's optimizer attached when training begins), ``ra.cut(share=False)`` when training
     ends.  Each checkpoint the Trainer writes gets ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed
     from one (``trainer.train(resume_from_checkpoint=...)``) takes it back at the start, so rank adaptation
     goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is taken back before
@@ -137,10 +137,13 @@ def trainer_callback(ra: Any) -> Any:
                 self.losses.append(loss.detach().reshape(()))
                 self.shares = kwargs.get("num_items_in_batch") is not None
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                           **kwargs: Any) -> None:
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
                 load(folder(args, state), f"the Trainer resumes at step {state.global_step} and RankAdaptive is "
                                           f"at step {ra.steps}")
+            if ra.optimizer is None and optimizer is not None:
+                ra.attach(optimizer)   # before the first step: a float16 overflow there is seen and skipped
             if args.torch_compile and model is not None and any(
                     m.__dict__.get("_comera_compiled_block") for m in model.modules()):
                 warnings.warn(
