@@ -14,7 +14,8 @@ from .distributed import is_sharded
 from .layers import tt_layers
 
 __all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "scaled_step", "check_retired",
-           "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR", "FAST_KEY"]
+           "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR",
+           "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
