@@ -1,6 +1,7 @@
 """The optimizer side of TT training: CoMERA's learning-rate groups, the optimizer's fast implementation,
-and parameters retired by a rank cut (an optimizer handed to the package that still holds one raises
-instead of training a stale copy).  Hooks are registered per optimizer, never process-wide."""
+float16 loss scaling's GradScaler and its steps, and parameters retired by a rank cut (an optimizer handed
+to the package that still holds one raises instead of training a stale copy).  Hooks are registered per
+optimizer, never process-wide."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from torch import nn
 from .distributed import is_sharded
 from .layers import tt_layers
 
-__all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "scaled_step", "check_retired",
-           "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR", "GATE_LR_FACTOR",
-           "FAST_KEY"]
+__all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "loss_scaler", "scaled_step",
+           "check_retired", "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR",
+           "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
 CORE_LR_FACTOR = 2.0
@@ -93,14 +94,46 @@ def fused_takes_the_scale(optimizer: torch.optim.Optimizer) -> None:
         optimizer._step_supports_amp_scaling = True
 
 
+def loss_scaler(scaler: Any, autocast: torch.dtype | None, device_type: str, cuda_graphs: str | None,
+                 compile_optimizer: bool | None, optimizer: Any) -> Any:
+    """compile_step's GradScaler: the one given, the one an accelerate wrapper steps with (fp16 mixed precision),
+    a new one for float16 autocast, else None; refused with a whole-step graph (its overflow check is a host
+    read) or a compiled optimizer step (the scaler steps the optimizer)."""
+    owned = getattr(optimizer, "scaler", None)
+    if isinstance(owned, torch.amp.GradScaler) and owned.is_enabled():
+        if scaler is not None and scaler is not owned:
+            raise ValueError("compile_step(scaler=...) with an optimizer wrapper that steps through a GradScaler of "
+                             "its own (accelerate's, under mixed_precision='fp16'): the loss must be scaled by the "
+                             "scaler that unscales the gradients; leave scaler= unset and the step uses the wrapper's")
+        scaler = owned
+    if scaler is None and autocast == torch.float16:
+        scaler = torch.amp.GradScaler(device_type)
+    if scaler is None or not scaler.is_enabled():
+        return scaler
+    if cuda_graphs == "step":
+        raise ValueError("cuda_graphs='step' with a loss scaler (float16 autocast makes one): the scaler reads its "
+                         "overflow check on the host at every step, which one CUDA graph cannot capture; use "
+                         "autocast=torch.bfloat16 (no scaling needed), or cuda_graphs='compiled'")
+    if compile_optimizer:
+        raise ValueError("compile_optimizer=True with a loss scaler (float16 autocast makes one): the scaler steps "
+                         "the optimizer itself, skipping steps whose gradients overflowed; leave compile_optimizer "
+                         "at its default")
+    return scaler
+
+
 def scaled_step(scaler: Any, optimizer: Any, scale_before: float) -> bool:
     """The optimizer step through a GradScaler: gradients unscaled first (so step pre-hooks, gradient clipping
-    among them, see the true ones), the step skipped where they overflowed, the scale updated.  Returns whether
-    it was skipped: the scale falls only then (GradScaler's backoff factor is below 1), against
-    `scale_before`, read before the step's kernels were queued."""
-    scaler.unscale_(optimizer)
-    scaler.step(optimizer)
-    scaler.update()
+    among them, see the true ones), the step skipped where they overflowed, the scale updated.  A wrapper that
+    steps through this scaler itself (accelerate's under fp16) is stepped, as its loops do, after the optimizer
+    inside is unscaled.  Returns whether the step was skipped: the scale falls only then (GradScaler's backoff
+    factor is below 1), against `scale_before`, read before the step's kernels were queued."""
+    if getattr(optimizer, "scaler", None) is scaler:
+        scaler.unscale_(unwrapped(optimizer))
+        optimizer.step()   # the wrapper's scaler.step and scaler.update
+    else:
+        scaler.unscale_(optimizer)
+        scaler.step(optimizer)
+        scaler.update()
     return scaler.get_scale() < scale_before
 
 

@@ -121,8 +121,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     (a step whose gradients overflowed is skipped: parameters, optimizer state and rank_adaptive unchanged,
     the scale halved; ``step.skipped`` says so for the last call).  autocast=torch.float16 makes one by
     default, as float16 gradients underflow to zero without it (pass ``GradScaler(enabled=False)`` to go
-    without); ``step.scaler`` is it, to checkpoint its ``state_dict()``.  The scale is read on the host after
-    each step, so the step is not one CUDA graph then.
+    without); an optimizer accelerate prepared for fp16 brings its own.  ``step.scaler`` is it, to checkpoint
+    its ``state_dict()``.  The scale is read on the host after each step, so the step is not one CUDA graph.
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
     detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
@@ -147,7 +147,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
     the gradient of the global batch's token mean, one all-reduce of the counts per call (for a loss_fn's
     "tokens" too); each process's call returns its own batch's token mean."""
-    from comera_compile.optim import FAST_KEY, fused_takes_the_scale, prefer_fast_implementation, scaled_step
+    from comera_compile.optim import (FAST_KEY, fused_takes_the_scale, loss_scaler, prefer_fast_implementation,
+                                      scaled_step)
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
@@ -164,7 +165,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     if keep_memory and not on_cuda:
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
-    scaler = _loss_scaler(scaler, autocast, device_type, cuda_graphs, compile_optimizer)
+    scaler = loss_scaler(scaler, autocast, device_type, cuda_graphs, compile_optimizer, optimizer)
     scaling = scaler is not None and scaler.is_enabled()
     chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs, scaling)
     auto = cuda_graphs == "auto" and chosen == "step"   # may still fall back to "compiled" (fall_back)
@@ -314,25 +315,6 @@ def _compile_marks(graph: Any, counters: dict[str, Any]) -> tuple[int, ...]:
 
 def _on_cuda(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
-
-
-def _loss_scaler(scaler: Any, autocast: torch.dtype | None, device_type: str, cuda_graphs: str | None,
-                 compile_optimizer: bool | None) -> Any:
-    """The step's GradScaler: the one given, a new one for float16 autocast, else None; refused with a whole-step
-    graph (its overflow check is a host read) or a compiled optimizer step (the scaler steps the optimizer)."""
-    if scaler is None and autocast == torch.float16:
-        scaler = torch.amp.GradScaler(device_type)
-    if scaler is None or not scaler.is_enabled():
-        return scaler
-    if cuda_graphs == "step":
-        raise ValueError("cuda_graphs='step' with a loss scaler (float16 autocast makes one): the scaler reads its "
-                         "overflow check on the host at every step, which one CUDA graph cannot capture; use "
-                         "autocast=torch.bfloat16 (no scaling needed), or cuda_graphs='compiled'")
-    if compile_optimizer:
-        raise ValueError("compile_optimizer=True with a loss scaler (float16 autocast makes one): the scaler steps "
-                         "the optimizer itself, skipping steps whose gradients overflowed; leave compile_optimizer "
-                         "at its default")
-    return scaler
 
 
 def _choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch.optim.Optimizer,

@@ -9,6 +9,7 @@ GradScaler loop (tests/test_device.py)."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,67 @@ def test_rank_adaptive_skips_a_step_a_fused_optimizer_skipped_in_its_kernel(wrap
     assert ra.steps == ref_ra.steps == 2
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("autocast", [torch.float16, None], ids=["float16", "autocast-elsewhere"])
+def test_an_accelerate_fp16_optimizer_steps_with_its_own_scaler(autocast):
+    """accelerate under mixed_precision="fp16" hands out an optimizer that steps through its own GradScaler
+    (here put on a CPU Accelerator as a GPU one has it).  compile_step given that optimizer scales the loss with
+    that scaler (it used to scale with a second one, and the wrapper's step failed: "_scale is None"), with its
+    own autocast or none (accelerate autocasts the model's forward itself).  Over an overflowing batch between
+    two good ones it trains as compile_step with a scaler of its own (to the bit) and as torch's eager
+    GradScaler recipe (within 5% of the update), and accelerate's scheduler skips the skipped step."""
+    accelerate = pytest.importorskip("accelerate")
+    x, y = torch.randn(8, 16), torch.randint(0, 5, (8,))
+    factors = (1.0, 1e6 if autocast else float("inf"), 1.0)
+
+    def loss_of(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.float(), target)
+
+    ref = _net()
+    start = [p.detach().clone() for p in ref.parameters()]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda k: 1.0 / (1 + k))
+    ref_scaler = torch.amp.GradScaler("cpu")
+    for factor in factors:
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast is not None):
+            loss = loss_of(ref(x, scale=factor), y)
+        ref_scaler.scale(loss).backward()
+        scale = ref_scaler.get_scale()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        if ref_scaler.get_scale() >= scale:
+            ref_sched.step()
+
+    def run(wrapped: bool) -> tuple[nn.Module, list[bool], Any, Any]:
+        model = _net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+        if wrapped:
+            accelerator = accelerate.Accelerator(cpu=True)
+            accelerator.scaler = torch.amp.GradScaler("cpu")   # what mixed_precision="fp16" makes on a GPU
+            model, opt, sched = accelerator.prepare(model, opt, sched)
+        step = cc.compile_step(model, loss_of, opt, backend="eager", autocast=autocast,
+                               scaler=None if wrapped else torch.amp.GradScaler("cpu"))
+        assert not wrapped or step.scaler is opt.scaler
+        skipped = []
+        for factor in factors:
+            step(x, y, scale=factor)
+            skipped.append(step.skipped)
+            if wrapped or not step.skipped:
+                sched.step()   # accelerate's wrapper steps only after an optimizer step that was not skipped
+        return model, skipped, getattr(sched, "scheduler", sched), opt
+
+    model, skipped, sched, opt = run(wrapped=True)
+    own, own_skipped, _, _ = run(wrapped=False)
+    assert skipped == own_skipped == [False, True, False]
+    assert sched.last_epoch == ref_sched.last_epoch == 2
+    for (name, p), q, r, r0 in zip(model.named_parameters(), own.parameters(), ref.parameters(), start):
+        assert torch.equal(p, q), name
+        assert (p - r).norm() <= 0.05 * (r - r0).norm() + 1e-6, name
+    with pytest.raises(ValueError, match="GradScaler of its own"):
+        cc.compile_step(model, loss_of, opt, backend="eager", scaler=torch.amp.GradScaler("cpu"))
 
 
 @settings(max_examples=8, deadline=None)
