@@ -587,15 +587,24 @@ def test_diverged_training_is_named_at_the_next_check():
         ra.step()
 
 
-def test_a_layer_whose_weight_explodes_is_named_at_the_next_check():
+@pytest.mark.parametrize("resumed", [False, True], ids=["straight", "resumed"])
+def test_a_layer_whose_weight_explodes_is_named_at_the_next_check(resumed):
     """Still finite, but a layer's weight a thousand times larger than at the last check (as a diverging
     run leaves it, its outputs at 1e9): an error naming the layer, not training on.  Its norm is checked
-    against the dense weight's."""
+    against the dense weight's.  A run resumed from the checkpoint taken at step 4 checks alike (the last
+    check's norms travel in ra.state_dict(); they used not to, and the first check after a resume passed)."""
     torch.manual_seed(0)
     model = _net(8, 8)
     ra = RankAdaptive(model, cut_every=2)
     for _ in range(4):
         assert not ra.step()
+    if resumed:
+        state, ra_state = copy.deepcopy(model.state_dict()), ra.state_dict()
+        torch.manual_seed(1)
+        model = _net(8, 8)
+        model.load_state_dict(state)
+        ra = RankAdaptive(model, cut_every=2)
+        ra.load_state_dict(ra_state)
     layer = model[2]
     assert ra._norms["2"][1] == pytest.approx(float(layer.to_dense().norm()), rel=1e-4)
     with torch.no_grad():
