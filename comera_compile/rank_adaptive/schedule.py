@@ -331,8 +331,7 @@ class RankAdaptive(Reports):
         return {"steps": self.steps, "stage": self.stage, "cuts": self.cuts, "size_target": self.size_target,
                 "loss_target": self.loss_target, "last_loss": self._last_loss, "loss_ema": self._loss_ema,
                 "masks": {n: [m.clone() for m in ms] for n, ms in self._alloc.masks.items()},
-                "history": [vars(r).copy() for r in self.history],
-                "norms": {n: list(v) for n, v in self._norms.items()}}   # the divergence check's last norms
+                "history": [vars(r).copy() for r in self.history], "norms": dict(self._norms)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._alloc.load(state["masks"], {n: [self._view.local(g).device for g in layer.gates]
@@ -340,8 +339,7 @@ class RankAdaptive(Reports):
         self.steps, self.stage, self.cuts = state["steps"], state["stage"], state["cuts"]
         self.size_target, self.loss_target = state["size_target"], state["loss_target"]
         self._last_loss, self._loss_ema = state["last_loss"], state.get("loss_ema")
-        self.history = [_Record(**r) for r in state["history"]]
-        self._norms = {n: (int(v[0]), float(v[1])) for n, v in state.get("norms", {}).items()}
+        self.history, self._norms = [_Record(**r) for r in state["history"]], dict(state.get("norms", {}))
         self._view.refresh(self._alloc.masks)
         with torch.no_grad():
             self._penalty_t.copy_(self.penalty())  # loss() adds it: as after the saved run's last step
