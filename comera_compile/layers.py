@@ -186,20 +186,36 @@ class TTLayer(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # A checkpoint of a layer whose ranks were cut: take its ranks, then load as usual.
-        ranks = list(self.spec.ranks)
-        for k, core in enumerate(self.cores):
-            saved = state_dict.get(f"{prefix}cores.{k}")
-            if saved is not None and saved.shape != core.shape and saved.dim() == core.dim():
-                core.data = core.data.new_empty(saved.shape)
-                ranks[k], ranks[k + 1] = saved.shape[0], saved.shape[-1]
-        for k, gate in enumerate(self.gates):
-            saved = state_dict.get(f"{prefix}gates.{k}")
-            if saved is not None and saved.shape != gate.shape:
-                gate.data = gate.data.new_empty(saved.shape)
-        if tuple(ranks) != self.spec.ranks:
-            self.spec = self.spec.with_ranks(ranks)
+        cores = [state_dict.get(f"{prefix}cores.{k}") for k in range(len(self.cores))]
+        gates = [state_dict.get(f"{prefix}gates.{k}") for k in range(len(self.gates))]
+        if any(t is not None and t.shape != p.shape for t, p in zip(cores + gates, [*self.cores, *self.gates])):
+            ranks = self._saved_ranks(cores, gates)
+            if ranks is None:   # torch's size-mismatch errors follow, from super()
+                error_msgs.append(
+                    f"TT layer {prefix[:-1] or '(the model)'}: the checkpoint's cores "
+                    f"{[tuple(t.shape) if t is not None else None for t in cores]} are not this layer's modes "
+                    f"{[tuple(c.shape[1:-1]) for c in self.cores]} at other ranks, or some cores or gates are "
+                    f"missing: tensorize the model with the shapes it was saved with, and load every core and gate")
+            else:
+                for plist, saved in ((self.cores, cores), (self.gates, gates)):
+                    for p, t in zip(plist, saved):
+                        if t.shape != p.shape:
+                            p.data = p.data.new_empty(t.shape)
+                self.spec = self.spec.with_ranks(ranks)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+    def _saved_ranks(self, cores: list[Any], gates: list[Any]) -> list[int] | None:
+        """The ranks of a checkpoint's cores and gates where they are this layer's modes at other ranks (every
+        core and gate present, the bonds chained, the end ranks kept), else None."""
+        if any(t is None for t in cores + gates):
+            return None
+        ranks = [t.shape[0] for t in cores] + [cores[-1].shape[-1]]
+        fits = all(t.dim() == c.dim() and t.shape[1:-1] == c.shape[1:-1] for t, c in zip(cores, self.cores))
+        fits = fits and ranks[0] == self.spec.ranks[0] and ranks[-1] == self.spec.ranks[-1]
+        fits = fits and all(a.shape[-1] == b.shape[0] for a, b in zip(cores, cores[1:]))
+        fits = fits and all(g.dim() == 1 and g.numel() == ranks[k + 1] for k, g in enumerate(gates))
+        return ranks if fits else None
 
     def dense_params(self) -> int:
         return self.spec.dense_params()
