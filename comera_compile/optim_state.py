@@ -76,11 +76,20 @@ def restart(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
 
 def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:
     """The state of a parameter cut to `index` along `dim`, for each (dim, index) in cuts[id(old)] in turn:
-    per-element state (AdamW's moments) cut alike, the rest kept."""
+    state laid out as the parameter along `dim` (AdamW's moments) cut alike, state of size 1 there (a factored
+    second moment's, as torch's Adafactor keeps) and scalars kept.  State of another layout (factored moments
+    of fewer dimensions) cannot be cut without knowing the optimizer: the parameter's state is then emptied,
+    and the optimizer starts it afresh at its next step, as for a parameter it has not stepped yet."""
     def transform(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
+        shape = list(old.shape)
         for dim, idx in cuts[id(old)]:
             for key, value in st.items():
-                if isinstance(value, torch.Tensor) and value.dim() == new.dim() and value.dim() > 0:
+                if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                    continue
+                if value.dim() != len(shape) or value.shape[dim] not in (shape[dim], 1):
+                    return {}
+                if value.shape[dim] == shape[dim]:
                     st[key] = value.index_select(dim, idx.to(value.device)).contiguous()
+            shape[dim] = idx.numel()
         return st
     return transform

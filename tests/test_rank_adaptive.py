@@ -782,6 +782,43 @@ def _switch_off_a_slice(ra, before=(1,)):
             layer.gates[1][0] = 0.0
 
 
+@pytest.mark.parametrize("adafactor", ["torch", "transformers"])
+def test_a_reallocation_keeps_a_factored_optimizer_training(adafactor):
+    """Adafactor keeps factored second moments.  torch's has the core's shape with size 1 on one axis: a
+    re-allocation cuts it where it is laid out as the core and keeps the size-1 axis, so every state goes on.
+    transformers' keeps rows and columns of fewer axes, which cannot be cut without knowing that layout: a cut
+    core's state restarts (as a parameter never stepped), the others keep theirs.  Training goes on
+    after the cut in both; it used to fail (an IndexError in the cut, or a shape error at the next step)."""
+    if adafactor == "transformers":
+        optimization = pytest.importorskip("transformers.optimization")
+    model = _net(8, 8)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2) if adafactor == "torch" else \
+        optimization.Adafactor(model.parameters(), lr=1e-2, relative_step=False, scale_parameter=False)
+    ra = RankAdaptive(model, optimizer=opt, cut_every=2, realloc_at=1.0)
+    x = torch.randn(8, 64)
+    losses = []
+    for _ in range(6):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        _switch_off_a_slice(ra)
+        cut = ra.step()
+        if cut:
+            cut_cores = {id(p) for layer in ra.layers.values() for p in layer.cores[1:3]}
+            restarted = [p for p in model.parameters() if not opt.state.get(p)]
+    assert ra.cuts >= 1 and all(math.isfinite(v) for v in losses)
+    if adafactor == "torch":
+        assert not restarted   # every state cut along, none emptied
+    else:
+        assert {id(p) for p in restarted} == cut_cores   # the cut gates' moments are laid out as they are
+    for p in model.parameters():   # every state fits its parameter after the steps since the cut
+        for value in opt.state[p].values():
+            if isinstance(value, torch.Tensor) and value.dim() == p.dim():
+                assert all(v in (n, 1) for v, n in zip(value.shape, p.shape))
+
+
 @pytest.mark.parametrize("loop", ["accumulate-2", "compile_step"])
 def test_an_accelerate_loop_trains_as_the_plain_loop_through_a_reallocation(loop):
     """accelerate's loop as its users write it: ``Accelerator.prepare`` wraps the optimizer and the LR
