@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,37 +40,55 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _is_text(path: Path) -> bool:
-    """A file that reads as UTF-8 text (checked on its first 4 KiB; no NUL bytes)."""
+def _text_kind(path: Path) -> str:
+    """What a file holds, judged on its first 4 KiB: "text" (UTF-8, no NUL bytes), "other" (text in another
+    encoding, such as Latin-1, which is skipped: callers count it so their messages can say so) or "binary"
+    (NUL bytes, or unreadable)."""
     try:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError:
-        return False
+        return "binary"
     if b"\0" in head:
-        return False
+        return "binary"
     try:
         head.decode("utf-8")
     except UnicodeDecodeError as e:  # a multi-byte character cut at the 4 KiB boundary is still text
-        return e.start >= len(head) - 3
-    return True
+        return "text" if e.start >= len(head) - 3 else "other"
+    return "text"
+
+
+def _is_text(path: Path) -> bool:
+    """A file that reads as UTF-8 text (checked on its first 4 KiB; no NUL bytes)."""
+    return _text_kind(path) == "text"
+
+
+def _walk(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
+    """Every file under root (or those ending in one of suffixes), sorted, skipping hidden files and folders,
+    caches, environments and third-party packages, and each file listed once: a symlink or hard link to a file
+    already listed is left out, since a split by file would otherwise put the same text on both sides."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
+        found.extend(Path(dirpath) / n for n in filenames
+                     if not n.startswith(".") and (suffixes is None or n.endswith(suffixes)))
+    out, seen = [], set()
+    for p in sorted(found):
+        try:
+            st = p.stat()  # follows a symlink: its target's device and inode
+        except OSError:
+            continue
+        key = (st.st_dev, st.st_ino) if st.st_ino else p
+        if stat.S_ISREG(st.st_mode) and key not in seen:
+            seen.add(key)
+            out.append(p)
+    return out
 
 
 def list_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
-    """Every text file under root (or those ending in one of suffixes), sorted, skipping hidden folders,
-    caches, environments and third-party packages."""
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        for name in filenames:
-            if name.startswith("."):
-                continue
-            p = Path(dirpath) / name
-            if suffixes is not None and not name.endswith(suffixes):
-                continue
-            if p.is_file() and _is_text(p):
-                files.append(p)
-    return sorted(files)
+    """Every UTF-8 text file under root (or those ending in one of suffixes), sorted, each once (links to one
+    file count once), skipping hidden folders, caches, environments and third-party packages."""
+    return [p for p in _walk(root, suffixes) if _is_text(p)]
 
 
 @dataclass
@@ -123,7 +142,7 @@ def load_corpus(data: Path | None, seed: int, heldout_fraction: float, max_bytes
             raise DemoError(f"--data {str(root)!r} is a file; pass the folder that holds the text or code files")
     files = list_files(root, suffixes)
     if len(files) < 2:
-        raise DemoError(f"{str(root)!r} holds {len(files)} text file(s); the demo needs at least 2 (some for "
+        raise DemoError(f"{str(root)!r} holds {len(files)} UTF-8 text file(s); the demo needs at least 2 (some for "
                         f"training, at least one held out for evaluation). Point --data at a larger folder")
     order = list(files)
     random.Random(seed).shuffle(order)

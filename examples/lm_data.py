@@ -2,8 +2,9 @@
 
 Documents come from a folder of text files, JSON Lines, Parquet, a ``datasets`` folder written by
 ``save_to_disk``, a single file, or (the default) the Python standard library's own source, so nothing is
-downloaded.  They are split by document before anything else happens, so no held-out text is ever trained
-on, not even by the tokenizer.  Each split is packed the GPT way: every document followed by the
+downloaded.  They are split by document before anything else happens, blank ones dropped and a copy of a text
+already taken (a duplicate file, a repeated paragraph) skipped, so no held-out text is ever trained on, not
+even by the tokenizer.  Each split is packed the GPT way: every document followed by the
 end-of-text token, the stream cut into fixed-length blocks, the tail dropped.
 """
 
@@ -16,7 +17,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _read_until
+from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _Source
 
 __all__ = ["DataError", "LMData", "EOT_TOKEN", "EOT_CANDIDATES", "load_lm_data", "train_bpe", "load_tokenizer",
            "pack"]
@@ -24,7 +25,8 @@ __all__ = ["DataError", "LMData", "EOT_TOKEN", "EOT_CANDIDATES", "load_lm_data",
 # The end-of-text tokens recognised in a user's tokenizer.json, first match wins.
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
 # Formats read front to back (JSON Lines, Parquet, Arrow, one text file) stop after this many times max_bytes
-# of text: enough documents to split and fill both budgets, without reading a huge dataset whole.
+# of text: enough documents to split and fill both budgets, without reading a huge dataset whole.  A folder's
+# files are read one at a time as the split asks for them, none further than max_bytes.
 _SCAN_FACTOR = 8
 # The held-out set gets at least this many bytes per position of a block (about four blocks at four bytes
 # per token), so evaluation has something to average over even when max_bytes is small.
@@ -126,6 +128,34 @@ def pack(documents: Iterable[Sequence[int]], eot_id: int, seq_len: int) -> torch
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).reshape(n, seq_len)
 
 
+def _read_until(source: _Source, order: list[int], budget: int, seen: set[str] | None = None, *,
+                most: int | None = None, limit: int | None = None) -> tuple[list[str], int, int]:
+    """Documents of `source` in `order` until `budget` bytes are read (the last one cut to fit, at a character
+    boundary) or `most` are taken, each read at most `limit` bytes long (default: the budget).  Blank ones and
+    copies of a text in `seen` are skipped, and each text taken is added to `seen`, so a later call (the other
+    side of the split) skips any copy of it.  Returns the texts, how far along `order` it went, and the copies
+    skipped."""
+    seen = set() if seen is None else seen
+    texts: list[str] = []
+    left, copies = budget, 0
+    for start in range(0, len(order), 64):
+        for k, t in enumerate(source.fetch(order[start:start + 64], budget if limit is None else limit)):
+            if t is None or not t.strip():
+                continue
+            if t in seen:
+                copies += 1
+                continue
+            seen.add(t)
+            raw = t.encode("utf-8")
+            if len(raw) > left:
+                t = raw[:left].decode("utf-8", errors="ignore")
+            texts.append(t)
+            left -= len(raw)
+            if left <= 0 or len(texts) == most:
+                return texts, start + k + 1, copies
+    return texts, len(order), copies
+
+
 def _largest_pow2(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
@@ -138,7 +168,8 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
                  max_bytes: int = 8_000_000, seed: int = 0, max_positions: int | None = None) -> LMData:
     """Documents of `data` (default: the Python standard library's *.py files) split by a seeded shuffle
     into training and held-out documents (val_fraction of them, at least one; a saved DatasetDict's
-    validation/test split is used as given), at most max_bytes of training text read (about val_fraction of
+    validation/test split is used as given; blank documents and copies of one already taken skipped, so no text
+    is on both sides), at most max_bytes of training text read (about val_fraction of
     that held out), tokenized (the given tokenizer.json, else a byte-level BPE of vocab_size trained on the
     training documents only) and packed into (n, seq_len) blocks.  Raises DataError for bad input."""
     if seq_len < 2:
@@ -158,13 +189,17 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
     heldout_budget = max(int(max_bytes * val_fraction), _MIN_HELDOUT_BYTES_PER_POSITION * seq_len)
     source = _open_source(data, text_column, _SCAN_FACTOR * (max_bytes + heldout_budget))
     rng = random.Random(seed)
+    # Every text taken, held-out ones first: training skips any copy of one.  Both sides read each document to
+    # the same length, so a copy reads the same on either side.
+    seen: set[str] = set()
+    limit = max(max_bytes, heldout_budget)
     if source.heldout is not None:
         if source.count < 1 or source.heldout.count < 1:
             raise DataError(f"{source.describe}: its training or held-out split is empty; save documents in both")
         train_order, held_order = list(range(source.count)), list(range(source.heldout.count))
         rng.shuffle(train_order)
         rng.shuffle(held_order)
-        held_source = source.heldout
+        held_texts, _, held_copies = _read_until(source.heldout, held_order, heldout_budget, seen, limit=limit)
     else:
         if source.count < 2:
             raise DataError(f"{source.describe} holds {source.count} document(s); at least 2 are needed (one for "
@@ -172,13 +207,15 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
         order = list(range(source.count))
         rng.shuffle(order)
         n_held = min(source.count - 1, max(1, round(val_fraction * source.count)))
-        held_order, train_order = order[:n_held], order[n_held:]
-        held_source = source
-    train_texts = _read_until(source, train_order, max_bytes)
-    held_texts = _read_until(held_source, held_order, heldout_budget)
+        # The held-out documents: the first n_held of the shuffled order that are neither blank nor a copy.
+        held_texts, end, held_copies = _read_until(source, order, heldout_budget, seen, most=n_held, limit=limit)
+        train_order = order[max(end, n_held):]
+    train_texts, _, train_copies = _read_until(source, train_order, max_bytes, seen, limit=limit)
+    copies = held_copies + train_copies
     if not train_texts or not held_texts:
         which = "training" if not train_texts else "held-out"
-        raise DataError(f"{source.describe}: no readable {which} text (its documents are empty); point --data at "
+        raise DataError(f"{source.describe}: no readable {which} text (its documents are empty"
+                        f"{' or copies of ones already taken' if copies else ''}); point --data at more, "
                         f"non-empty documents")
 
     if user_tok is not None:
@@ -202,8 +239,9 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
                             f"{smaller}{fix}")
 
     n_bytes = sum(len(t.encode("utf-8")) for t in train_texts)
-    line = (f"{source.describe}: {len(train_texts)} training / {len(held_texts)} held-out documents "
-            f"({n_bytes / 1e6:.3g} MB training text, {train.numel()} / {val.numel()} tokens in blocks of {seq_len}); "
+    skipped = f"{copies} copies of other documents skipped, " if copies else ""
+    line = (f"{source.describe}: {len(train_texts)} training / {len(held_texts)} held-out documents ({skipped}"
+            f"{n_bytes / 1e6:.3g} MB training text, {train.numel()} / {val.numel()} tokens in blocks of {seq_len}); "
             f"{tok_note}")
     return LMData(train=train, val=val, vocab_size=tok.get_vocab_size(), eot_id=eot_id, tokenizer=tok,
                   source=line, documents=(len(train_texts), len(held_texts)))

@@ -4,18 +4,22 @@ Every format becomes a _Source (a count and a fetch by index), read only as far 
 
 from __future__ import annotations
 
+import codecs
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from comera_compile.examples.code_data import _SKIP_DIRS, DemoError, _is_text, list_files, stdlib_dir
+from comera_compile.examples.code_data import DemoError, _is_text, _text_kind, _walk, list_files, stdlib_dir
 
 EOT_TOKEN = "<|endoftext|>"
 _JSON_SUFFIXES = (".jsonl", ".json")
 _STRUCTURED_SUFFIXES = (".jsonl", ".json", ".parquet")
 _HELDOUT_SPLITS = ("validation", "valid", "val", "test")
+# A .json file beside .jsonl/.parquet shards that parses whole as one object is metadata (a Hub snapshot's
+# dataset_infos.json); larger ones are not checked (loading them would cost what the budget is there to save).
+_METADATA_MAX_BYTES = 16 << 20
+_ICONV = "to UTF-8, e.g. iconv -f latin1 -t utf-8 OLD > NEW"
 
 
 class DataError(DemoError):
@@ -33,23 +37,30 @@ class _Source:
 
     describe: str
     count: int
-    fetch: Callable[[list[int]], list[Any]]
+    fetch: Callable[[list[int], int], Iterable[Any]]  # (indices, at most this many bytes of each document)
     heldout: _Source | None = None
 
 
 def _list_source(texts: list[str], describe: str) -> _Source:
-    return _Source(describe, len(texts), lambda idx: [texts[i] for i in idx])
+    return _Source(describe, len(texts), lambda idx, limit: [texts[i] for i in idx])
+
+
+def _read_head(path: Path, limit: int) -> str:
+    """A file's first `limit` bytes as text, as read_text gives them (invalid UTF-8 replaced, universal
+    newlines), less a character cut at the end: a huge file costs no more than the budget."""
+    with open(path, "rb") as f:
+        raw = f.read(limit)
+    text = codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=len(raw) < limit)
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _files_source(files: list[Path], describe: str) -> _Source:
-    def fetch(idx: list[int]) -> list[str | None]:
-        out: list[str | None] = []
-        for i in idx:
+    def fetch(idx: list[int], limit: int) -> Iterator[str | None]:
+        for i in idx:  # lazily: a reader that stops part-way through idx reads no further file
             try:
-                out.append(files[i].read_text(encoding="utf-8", errors="replace"))
+                yield _read_head(files[i], limit)
             except OSError:
-                out.append(None)
-        return out
+                yield None
     return _Source(describe, len(files), fetch)
 
 
@@ -72,10 +83,10 @@ def _import_datasets() -> Any:
     return datasets
 
 
-def _column_error(where: str, column: str, columns: Iterable[str]) -> DataError:
+def _column_error(where: str, column: str, columns: Iterable[str], fix: str = "") -> DataError:
     names = ", ".join(repr(c) for c in columns) or "none"
-    return DataError(f"{where} has no column {column!r}; its columns are {names}: pass the one that holds the "
-                     f"text with --text-column")
+    fix = fix or "pass the one that holds the text with --text-column"
+    return DataError(f"{where} has no column {column!r}; its columns are {names}: {fix}")
 
 
 def _check_text(value: Any, column: str, where: str) -> str | None:
@@ -87,8 +98,8 @@ def _check_text(value: Any, column: str, where: str) -> str | None:
 
 def _json_texts(path: Path, column: str) -> Iterator[str | None]:
     """The `column` field of each record of a JSON Lines file (or of a .json file holding one array of
-    records)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    records); every record must have the field (null skips one).  A leading byte-order mark is allowed."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         head = f.read(1 << 16).lstrip()
         f.seek(0)
         if head.startswith("["):
@@ -97,8 +108,10 @@ def _json_texts(path: Path, column: str) -> Iterator[str | None]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{str(path)!r} is not valid JSON ({e}); fix it or remove it from --data") from e
             lines: Iterable[tuple[int, Any]] = enumerate(records, 1)
+            unit = "record"
         else:
             lines = ((n, line) for n, line in enumerate(f, 1))
+            unit = "line"
         checked = False
         for n, item in lines:
             if isinstance(item, str):
@@ -113,11 +126,12 @@ def _json_texts(path: Path, column: str) -> Iterator[str | None]:
                 raise DataError(f"record {n} of {str(path)!r} is a {type(item).__name__}, not an object with a "
                                 f"{column!r} field; each line must be a JSON object such as "
                                 f'{{"{column}": "..."}}')
-            if not checked:
-                if column not in item:
-                    raise _column_error(f"{str(path)!r}", column, item.keys())
-                checked = True
-            yield _check_text(item.get(column), column, repr(str(path)))
+            if column not in item:
+                fix = (f"give every record a {column!r} field (null to skip one), or remove this one" if checked
+                       else "")
+                raise _column_error(f"{unit} {n} of {str(path)!r}", column, item.keys(), fix)
+            checked = True
+            yield _check_text(item[column], column, repr(str(path)))
 
 
 def _parquet_texts(path: Path, column: str) -> Iterator[str | None]:
@@ -144,36 +158,59 @@ def _arrow_stream_texts(path: Path, column: str) -> Iterator[str | None]:
                 yield _check_text(v, column, repr(str(path.parent)))
 
 
-def _text_file_documents(path: Path) -> Iterator[str]:
-    """A single text file's documents: the pieces between end-of-text markers if it has them (a dump of a
+def _has_marker(path: Path, limit: int) -> bool:
+    """Whether the end-of-text marker occurs in the file's first `limit` bytes (read 1 MiB at a time)."""
+    mark, tail, read = EOT_TOKEN.encode(), b"", 0
+    with open(path, "rb") as f:
+        while read < limit and (chunk := f.read(min(1 << 20, limit - read))):
+            if mark in tail + chunk:
+                return True
+            read, tail = read + len(chunk), chunk[1 - len(mark):]
+    return False
+
+
+def _text_file_documents(path: Path, limit: int) -> Iterator[str]:
+    """A single text file's documents, read line by line as they are asked for (none longer than `limit`
+    bytes): the pieces between end-of-text markers if its first `limit` bytes have one (a dump of a
     pretraining corpus), else its paragraphs (separated by blank lines)."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if EOT_TOKEN in text:
-        yield from text.split(EOT_TOKEN)
-        return
-    para: list[str] = []
-    for line in text.splitlines(keepends=True):
-        if line.strip():
-            para.append(line)
-        elif para:
-            yield "".join(para)
-            para = []
-    if para:
-        yield "".join(para)
+    marked = _has_marker(path, limit)
+    doc: list[str] = []
+    size = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while line := f.readline(min(1 << 20, limit)):
+            if marked:
+                doc.append(line)
+                if EOT_TOKEN in "".join(doc[-2:]):  # a marker, possibly cut between two 1 MiB reads
+                    *done, rest = "".join(doc).split(EOT_TOKEN)
+                    yield from done
+                    doc, size = [rest], len(rest.encode("utf-8"))
+                    continue
+            else:
+                for piece in line.splitlines(keepends=True):
+                    if piece.strip():
+                        doc.append(piece)
+                    elif doc:
+                        yield "".join(doc)
+                        doc, size = [], 0
+            size += len(line.encode("utf-8"))
+            if size >= limit:  # one document as large as the budget: its head is all that can be used
+                break
+    if doc:
+        yield "".join(doc)
 
 
 def _collect(streams: Iterable[Iterator[str | None]], cap: int) -> tuple[list[str], bool]:
-    """The non-blank documents of the streams in order, stopping once `cap` bytes are read; also whether it
-    stopped early."""
+    """The non-blank documents of the streams in order, stopping as soon as `cap` bytes are read (no further
+    document is read); also whether it stopped there."""
     texts, total = [], 0
     for stream in streams:
         for t in stream:
-            if total >= cap:
-                return texts, True
             if t is None or not t.strip():
                 continue
             texts.append(t)
             total += len(t.encode("utf-8"))
+            if total >= cap:
+                return texts, True
     return texts, False
 
 
@@ -182,16 +219,6 @@ def _streamed_source(readers: list[Callable[[], Iterator[str | None]]], describe
     if capped:
         describe += f" (its first {len(texts)} documents, {cap / 1e6:.3g} MB)"
     return _list_source(texts, describe)
-
-
-def _walk(root: Path) -> list[Path]:
-    """Every file under root, sorted, skipping what code_data.list_files skips (hidden files, caches,
-    environments, version control)."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
-        out.extend(Path(dirpath) / n for n in filenames if not n.startswith("."))
-    return sorted(p for p in out if p.is_file())
 
 
 def _is_saved_dataset(root: Path) -> bool:
@@ -218,7 +245,7 @@ def _saved_dataset_source(root: Path, column: str, cap: int) -> _Source:
             ds = ds.select_columns([column]).with_format(None)
             label = f"{where}, split {name!r}" if name else where
 
-            def fetch(idx: list[int], ds: Any = ds, label: str = label) -> list[str | None]:
+            def fetch(idx: list[int], limit: int, ds: Any = ds, label: str = label) -> list[str | None]:
                 return [_check_text(v, column, label) for v in ds[idx][column]]
             sources.append(_Source(f"{label} (column {column!r})", len(ds), fetch))
         train = sources[0]
@@ -264,33 +291,55 @@ def _size(paths: list[Path]) -> int:
     return sum(p.stat().st_size for p in paths)
 
 
+def _is_metadata(path: Path, column: str) -> bool:
+    """A .json file that is one JSON object without text in `column` (not an array, not JSON Lines): a Hub
+    snapshot's dataset_infos.json beside its shards, not a shard."""
+    if path.suffix != ".json" or path.stat().st_size > _METADATA_MAX_BYTES:
+        return False
+    try:
+        item = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):  # JSON Lines, or not JSON: a shard, whose reader says what is wrong
+        return False
+    return isinstance(item, dict) and not isinstance(item.get(column), str)
+
+
 def _folder_source(root: Path, column: str, cap: int) -> _Source:
-    """A folder's documents: a saved dataset; its .jsonl/.json/.parquet files (text files beside them ignored)
-    when those hold most of its bytes; else every text file, one document each."""
+    """A folder's documents: a saved dataset; its .jsonl/.json/.parquet files (text files beside them ignored,
+    and beside .jsonl/.parquet shards any .json metadata object) when those hold most of its bytes; else every
+    UTF-8 text file, one document each (files in another encoding are counted and skipped)."""
     if _is_saved_dataset(root):
         return _saved_dataset_source(root, column, cap)
     files = _walk(root)
     structured = [p for p in files if p.name.endswith(_STRUCTURED_SUFFIXES)]
-    others = [p for p in files if not p.name.endswith(_STRUCTURED_SUFFIXES) and _is_text(p)] if structured else []
-    if structured and _size(others) > _size(structured):
-        # Mostly plain text with a few structured files among it (a source tree's .json configs): documents, the
-        # JSON ones included, rather than a dataset whose shards are the few.
-        texts = list_files(root)
-        return _files_source(texts, f"text files under {str(root)!r} (its {len(structured)} .json/.jsonl/.parquet "
-                                    f"files, {_size(structured) / 1e6:.3g} MB against {_size(others) / 1e6:.3g} MB of "
-                                    f"other text, read as documents too)")
-    if structured:
-        kinds = sorted({p.suffix for p in structured})
-        describe = f"{'/'.join(kinds)} files under {str(root)!r} (column {column!r}"
-        describe += f"; {len(others)} other text files beside them ignored)" if others else ")"
+    kind_of = {p: _text_kind(p) for p in files if not p.name.endswith(_STRUCTURED_SUFFIXES)}
+    others = [p for p, kind in kind_of.items() if kind == "text"]
+    n_other = sum(kind == "other" for kind in kind_of.values())
+    skipped = f"{n_other} non-UTF-8 files skipped" if n_other else ""
+    if structured and _size(others) <= _size(structured):
+        meta = []
+        if any(p.suffix in (".jsonl", ".parquet") for p in structured):
+            meta = [p for p in structured if _is_metadata(p, column)]
+            structured = [p for p in structured if p not in meta]
+        suffixes = "/".join(sorted({p.suffix for p in structured}))
+        notes = [f"column {column!r}"] + ([f"{len(others)} other text files beside them ignored"] if others else [])
+        notes += [f"{len(meta)} .json metadata file(s) (a single JSON object each) skipped"] if meta else []
         readers = [(lambda p=p: _parquet_texts(p, column)) if p.suffix == ".parquet"
                    else (lambda p=p: _json_texts(p, column)) for p in structured]
-        return _streamed_source(readers, describe, cap)
-    texts = list_files(root)
+        return _streamed_source(readers, f"{suffixes} files under {str(root)!r} ({'; '.join(notes)})", cap)
+    texts = sorted(others + [p for p in structured if p.suffix != ".parquet" and _is_text(p)])
+    notes = [skipped] if skipped else []
+    if structured:
+        # Mostly plain text with a few structured files among it (a source tree's .json configs): documents, the
+        # JSON ones included, rather than a dataset whose shards are the few.
+        n_parquet = sum(p.suffix == ".parquet" for p in structured)
+        notes.insert(0, f"its {len(structured) - n_parquet} .json/.jsonl files read as documents too, "
+                        f"{_size(structured) / 1e6:.3g} MB of structured files against {_size(others) / 1e6:.3g} MB "
+                        f"of other text" + (f"; its {n_parquet} .parquet files ignored" if n_parquet else ""))
     if not texts:
-        raise DataError(f"{str(root)!r} holds no readable text: no text files, .jsonl/.json/.parquet files or "
-                        f"saved dataset; point --data at a folder of documents")
-    return _files_source(texts, f"text files under {str(root)!r}")
+        enc = f" ({skipped}: convert them {_ICONV})" if skipped else ""
+        raise DataError(f"{str(root)!r} holds no readable text: no UTF-8 text files{enc}, .jsonl/.json/.parquet "
+                        f"files or saved dataset; point --data at a folder of documents")
+    return _files_source(texts, f"text files under {str(root)!r}" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
 def _file_source(path: Path, column: str, cap: int) -> _Source:
@@ -298,11 +347,13 @@ def _file_source(path: Path, column: str, cap: int) -> _Source:
         return _streamed_source([lambda: _json_texts(path, column)], f"{str(path)!r} (column {column!r})", cap)
     if path.suffix == ".parquet":
         return _streamed_source([lambda: _parquet_texts(path, column)], f"{str(path)!r} (column {column!r})", cap)
-    if not _is_text(path):
-        raise DataError(f"{str(path)!r} is neither text nor a .jsonl/.json/.parquet file; pass a text file, a "
-                        f"structured file or a folder of documents with --data")
+    kind = _text_kind(path)
+    if kind != "text":
+        how = f" (it looks like text in another encoding: convert it {_ICONV})" if kind == "other" else ""
+        raise DataError(f"{str(path)!r} is neither UTF-8 text nor a .jsonl/.json/.parquet file{how}; pass a text "
+                        f"file, a structured file or a folder of documents with --data")
     how = "split at end-of-text markers or blank lines"
-    return _streamed_source([lambda: _text_file_documents(path)], f"{str(path)!r} ({how})", cap)
+    return _streamed_source([lambda: _text_file_documents(path, cap)], f"{str(path)!r} ({how})", cap)
 
 
 def _open_source(data: str | Path | None, column: str, cap: int) -> _Source:
@@ -315,22 +366,3 @@ def _open_source(data: str | Path | None, column: str, cap: int) -> _Source:
                         f".jsonl, .parquet, or a saved dataset), or leave --data out to use the Python standard "
                         f"library")
     return _folder_source(path, column, cap) if path.is_dir() else _file_source(path, column, cap)
-
-
-def _read_until(source: _Source, order: list[int], budget: int) -> list[str]:
-    """Documents of `source` in `order` until `budget` bytes are read (the last one cut to fit, at a character
-    boundary); blank ones are skipped."""
-    texts: list[str] = []
-    left = budget
-    for start in range(0, len(order), 64):
-        for t in source.fetch(order[start:start + 64]):
-            if t is None or not t.strip():
-                continue
-            raw = t.encode("utf-8")
-            if len(raw) > left:
-                t = raw[:left].decode("utf-8", errors="ignore")
-            texts.append(t)
-            left -= len(raw)
-            if left <= 0:
-                return texts
-    return texts

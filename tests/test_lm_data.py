@@ -4,9 +4,11 @@ default corpus, and each bad input's error naming its fix."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,13 +131,16 @@ def test_jsonl_json_folder_takes_structured_files_and_says_so(tmp_path):
 
 def test_a_source_tree_with_a_few_json_files_is_read_as_text(tmp_path):
     """A folder that is mostly plain text (a source tree, a site-packages) with a few .json files among it, one
-    not JSON Lines at all, is a folder of documents, not a dataset of those few; the source line says so."""
+    not JSON Lines at all, is a folder of documents, not a dataset of those few; the source line says so, and
+    that a .parquet file among them is not read."""
     docs = _docs(20)
     _write_texts(tmp_path, docs)
     (tmp_path / "config.json").write_text('{\n  "an": "indented config, not JSON Lines"\n}\n')
+    (tmp_path / "tiny.parquet").write_bytes(b"PAR1\0\0PAR1")
     lm = load_lm_data(tmp_path, **SMALL, val_fraction=0.1)
     assert sum(lm.documents) == 21
-    assert "text files under" in lm.source and "1 .json/.jsonl/.parquet files" in lm.source
+    assert "text files under" in lm.source and "1 .json/.jsonl files read as documents too" in lm.source
+    assert "its 1 .parquet files ignored" in lm.source
     assert "indented config" in _stream(lm, lm.train) + _stream(lm, lm.val)
 
 
@@ -257,6 +262,157 @@ def test_default_corpus_is_the_standard_library():
 
 
 # --------------------------------------------------------------------------------------------------------
+# Copies, blank documents, big files, metadata, encodings
+# --------------------------------------------------------------------------------------------------------
+def _held_and_trained(lm: LMData, n: int) -> tuple[set[int], set[int]]:
+    return _sentinels_in(_stream(lm, lm.val), n), _sentinels_in(_stream(lm, lm.train), n)
+
+
+def test_linked_and_copied_files_never_straddle_the_split(tmp_path):
+    """The same text under several paths (a symlink, a hard link, a plain copy) is one document: read once,
+    on one side of the split only."""
+    docs = _docs(10)
+    _write_texts(tmp_path / "docs", docs)
+    for i, p in enumerate(sorted((tmp_path / "docs").rglob("*.txt"))):
+        try:
+            (tmp_path / f"link_{i}.txt").symlink_to(p)
+            (tmp_path / f"hard_{i}.txt").hardlink_to(p)
+        except (OSError, NotImplementedError):
+            pytest.skip("this filesystem has no symlinks or hard links")
+        (tmp_path / f"copy_{i}.txt").write_text(p.read_text())
+    for seed in range(6):
+        lm = load_lm_data(tmp_path, **SMALL, val_fraction=0.25, seed=seed)
+        held, trained = _held_and_trained(lm, 10)
+        assert held and not held & trained, f"seed {seed}: held-out documents {held & trained} also train"
+        assert sum(lm.documents) == 10 and "copies of other documents skipped" in lm.source
+    assert len(lm_sources._walk(tmp_path)) == 20  # each linked file listed once; the copies are other files
+
+
+def test_repeated_paragraphs_and_records_stay_on_one_side(tmp_path):
+    """Boilerplate repeated through one text file (or one JSON Lines file) is held out or trained, never both."""
+    docs = _docs(6) + [f"{_sentinel(6 + i)} boilerplate paragraph {i}\n" for i in range(4)]
+    paragraphs = [docs[i % 10] for i in range(40)]  # every paragraph four times
+    random.Random(0).shuffle(paragraphs)
+    (tmp_path / "book.txt").write_text("\n\n".join(paragraphs))
+    _write_jsonl(tmp_path / "d.jsonl", paragraphs)
+    for path in (tmp_path / "book.txt", tmp_path / "d.jsonl"):
+        for seed in range(6):
+            lm = load_lm_data(path, seq_len=8, vocab_size=300, val_fraction=0.2, seed=seed)
+            held, trained = _held_and_trained(lm, 10)
+            assert held and not held & trained and sum(lm.documents) <= 10
+
+
+def test_blank_documents_do_not_count_in_the_split(tmp_path):
+    """Empty files (a source tree's __init__.py) are dropped before the split: the held-out set is never
+    just blanks, whatever the seed."""
+    _write_texts(tmp_path, _docs(10))
+    for i in range(10):
+        (tmp_path / f"blank_{i}.py").write_text("" if i % 2 else " \n\n")
+    for seed in range(8):
+        assert load_lm_data(tmp_path, **SMALL, val_fraction=0.1, seed=seed).documents == (8, 2)
+
+
+class _Counted(io.FileIO):
+    """A file that counts the bytes read from it (class-wide), to check a reader against its budget."""
+
+    read = 0
+
+    def readinto(self, b):  # a BufferedReader's sized reads come through here
+        n = super().readinto(b)
+        _Counted.read += n or 0
+        return n
+
+    def readall(self):  # and a read of the whole file through here
+        data = super().readall()
+        _Counted.read += len(data)
+        return data
+
+
+def _count_reads_of(monkeypatch, target: Path) -> None:
+    """Every open of target, from here on, reads through a _Counted file (other files open as usual)."""
+    real = io.open
+
+    def counting_open(file, mode="r", buffering=-1, encoding=None, errors=None, newline=None, *a, **k):
+        if str(file) != str(target):
+            return real(file, mode, buffering, encoding, errors, newline, *a, **k)
+        buf = io.BufferedReader(_Counted(file, "r"))
+        return buf if "b" in mode else io.TextIOWrapper(buf, encoding=encoding, errors=errors, newline=newline)
+    _Counted.read = 0
+    monkeypatch.setattr(io, "open", counting_open)
+    monkeypatch.setattr("builtins.open", counting_open)
+
+
+def test_big_files_are_read_only_as_far_as_the_budget(tmp_path, monkeypatch):
+    """A text file far larger than the budget, alone or in a folder, is read about as far as the budget needs
+    (one buffer more), not whole."""
+    big = tmp_path / "big.txt"
+    big.write_text("\n\n".join(d for _ in range(200) for d in _docs(30, seed=2)))  # 2.5 MB
+    max_bytes, buffer = 4000, 8192
+    cap = lm_data._SCAN_FACTOR * (max_bytes + 16 * SMALL["seq_len"])  # what a single file is scanned for
+    assert big.stat().st_size > 50 * cap
+    _count_reads_of(monkeypatch, big)
+    lm = load_lm_data(big, **SMALL, max_bytes=max_bytes)
+    # a look at its first 4 KiB, a scan for end-of-text markers, the read: each one buffer over at most
+    assert 0 < _Counted.read <= 2 * cap + 3 * buffer and "its first" in lm.source
+    _write_texts(tmp_path / "folder", _docs(12))
+    big = big.rename(tmp_path / "folder" / "big.txt")
+    _count_reads_of(monkeypatch, big)
+    max_bytes = 20_000  # more than the small files hold: the big one is read on whichever side it falls
+    for seed in range(3):
+        load_lm_data(tmp_path / "folder", **SMALL, max_bytes=max_bytes, seed=seed)
+    assert 0 < _Counted.read <= 3 * (max_bytes + 2 * buffer)  # a look at its first 4 KiB, then max_bytes a load
+
+
+def test_metadata_json_beside_shards_is_skipped_and_said(tmp_path):
+    """A Hub snapshot: data/*.jsonl shards, a README and a dataset_infos.json (one JSON object, pretty or on
+    one line) beside them; the metadata is skipped and the source line says so."""
+    docs = _docs(16)
+    info = {"default": {"features": {"text": {"dtype": "string"}}, "splits": {"train": {"num_examples": 16}}}}
+    for indent in (2, None):
+        root = tmp_path / f"snap_{indent}"
+        (root / "data").mkdir(parents=True)
+        _write_jsonl(root / "data" / "train-00000-of-00002.jsonl", docs[:8])
+        _write_jsonl(root / "data" / "train-00001-of-00002.jsonl", docs[8:])
+        (root / "README.md").write_text("---\nlicense: mit\n---\n# corpus\n")
+        (root / "dataset_infos.json").write_text(json.dumps(info, indent=indent))
+        lm = load_lm_data(root, **SMALL)
+        assert sum(lm.documents) == 16 and "1 .json metadata file(s) (a single JSON object each)" in lm.source
+        _check_packing(lm, docs, 16)
+
+
+def test_jsonl_records_without_the_column_are_errors_and_a_bom_is_fine(tmp_path):
+    docs = _docs(6)
+    with open(tmp_path / "m.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": docs[0]}) + "\n" + "\n".join(json.dumps({"content": d}) for d in docs[1:]))
+    with pytest.raises(DataError, match=r"line 2 of '.*m\.jsonl' has no column 'text'.*'content'.*give every record"):
+        load_lm_data(tmp_path / "m.jsonl", **SMALL)
+    with open(tmp_path / "bom.jsonl", "w", encoding="utf-8-sig") as f:  # a byte-order mark, then a null to skip
+        f.write("\n".join(json.dumps({"text": d}) for d in docs + [None]))
+    assert sum(load_lm_data(tmp_path / "bom.jsonl", **SMALL, val_fraction=0.3).documents) == 6
+
+
+def test_non_utf8_files_are_counted_and_named(tmp_path):
+    (tmp_path / "mixed").mkdir()
+    (tmp_path / "latin").mkdir()
+    for i, d in enumerate(_docs(12)):
+        latin = d.replace("→", "->") + " café"
+        (tmp_path / ("mixed" if i % 2 else "latin") / f"{i}.txt").write_bytes(latin.encode("latin-1"))
+        (tmp_path / "mixed" / f"u{i}.txt").write_text(d)
+    assert "(6 non-UTF-8 files skipped)" in load_lm_data(tmp_path / "mixed", **SMALL).source
+    with pytest.raises(DataError, match=r"no UTF-8 text files \(6 non-UTF-8 files skipped: convert them to UTF-8"):
+        load_lm_data(tmp_path / "latin", **SMALL)
+    with pytest.raises(DataError, match=r"neither UTF-8 text nor .*another encoding: convert it to UTF-8, e\.g\. "):
+        load_lm_data(tmp_path / "latin" / "0.txt", **SMALL)
+
+
+def test_tokenizers_pin_has_encode_special_tokens():
+    """lm_data sets Tokenizer.encode_special_tokens, new in tokenizers 0.15.1: the extra pins that."""
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    assert '"tokenizers>=0.15.1"' in pyproject
+    assert hasattr(lm_data.train_bpe(["a b"], 260), "encode_special_tokens")
+
+
+# --------------------------------------------------------------------------------------------------------
 # Errors: each says what to do
 # --------------------------------------------------------------------------------------------------------
 def test_errors_are_demo_errors():
@@ -279,7 +435,7 @@ def test_path_errors(tmp_path):
     with pytest.raises(DataError, match=r"1 document\(s\); at least 2"):
         load_lm_data(tmp_path / "one", **SMALL)
     (tmp_path / "blob.bin").write_bytes(b"\0\1\2" * 100)
-    with pytest.raises(DataError, match=r"neither text nor"):
+    with pytest.raises(DataError, match=r"neither UTF-8 text nor"):
         load_lm_data(tmp_path / "blob.bin", **SMALL)
 
 
@@ -362,9 +518,10 @@ def test_pack_matches_concatenation(docs, seq_len):
 @given(texts=st.lists(st.text(max_size=40), max_size=8), budget=st.integers(1, 200))
 def test_read_until_budget(texts, budget):
     src = lm_sources._list_source(texts, "t")
-    got = lm_sources._read_until(src, list(range(len(texts))), budget)
+    got = lm_data._read_until(src, list(range(len(texts))), budget)[0]
     size = sum(len(t.encode("utf-8")) for t in got)
-    whole = sum(len(t.encode("utf-8")) for t in texts if t.strip())
+    whole = sum(len(t.encode("utf-8")) for t in set(texts) if t.strip())  # each distinct text once
     assert size <= budget
     assert size >= min(budget, whole) - 3  # a character cut at the boundary loses at most 3 bytes
     assert all(t.strip() for t in got[:-1]) and all(t in texts for t in got[:-1])
+    assert len(set(got)) == len(got)
