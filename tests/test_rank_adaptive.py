@@ -587,6 +587,36 @@ def test_diverged_training_is_named_at_the_next_check():
         ra.step()
 
 
+@pytest.mark.parametrize("after_steps", [0, 2])
+def test_weights_of_other_ranks_loaded_under_rank_adaptive(after_steps):
+    """A checkpoint of a cut model loaded into a model whose RankAdaptive already exists: before its first step
+    RankAdaptive takes the model's new ranks (as one built after the load: its masks, size and a cut match),
+    after steps of its own it is an error that says to load its state with the weights (it used to fail with a
+    bare shape mismatch, its report still at the old ranks)."""
+    torch.manual_seed(0)
+    src = _net(8, 8)
+    src[0].prune_ranks([None, torch.arange(3), None, None, None])
+    state = src.state_dict()
+    model = _net(8, 8)
+    opt = torch.optim.AdamW(param_groups(model, lr=1e-3))
+    ra = RankAdaptive(model, optimizer=opt, cut_every=2)
+    for _ in range(after_steps):
+        ra.step()
+    model.load_state_dict(state)
+    if after_steps:
+        with pytest.raises(RuntimeError, match=r"TT layer 0 is at ranks \(1, 4, 3, .*Load the RankAdaptive state"):
+            ra.step()
+        return
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    ra.step()
+    fresh = RankAdaptive(src, cut_every=2)
+    assert ra.allocated_ranks() == fresh.allocated_ranks() == {n: l.spec.ranks for n, l in src.named_children()
+                                                               if isinstance(l, TTLinear)}
+    assert ra.size() == fresh.size()
+    ra.step()   # the check at step 2 runs on the new ranks
+
+
 @pytest.mark.parametrize("resumed", [False, True], ids=["straight", "resumed"])
 def test_a_layer_whose_weight_explodes_is_named_at_the_next_check(resumed):
     """Still finite, but a layer's weight a thousand times larger than at the last check (as a diverging

@@ -24,6 +24,12 @@ class Allocation:
         self.size_t = torch.zeros((), dtype=torch.float64, device=device)
         self.update()
 
+    def stale(self) -> str | None:
+        """The first layer whose gates are no longer the masks' size (the model's ranks changed under them, as
+        loading a checkpoint of other ranks does), else None."""
+        return next((name for name, m in self.layers.items()
+                     if any(k.shape != g.shape for k, g in zip(self.masks[name], m.gates))), None)
+
     def update(self) -> None:
         """Refresh what follows from the masks (size, ranks, the masked bonds) after they change."""
         self.ranks = {name: (1, *(int(m.sum()) for m in self.masks[name]), 1) for name in self.layers}

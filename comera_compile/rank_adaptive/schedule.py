@@ -55,6 +55,26 @@ BALANCE_EVERY = 10
 REBUILD_STEPS = 10
 
 
+def _follow_the_model(ra: "RankAdaptive") -> None:
+    """Keep the masks at the model's ranks.  Weights of other ranks loaded into the model (a TT layer takes a
+    checkpoint's ranks) before RankAdaptive's first step: its masks start afresh there, as if it were built
+    after the load.  After that, its state must come with those weights: an error that says so."""
+    stale = ra._alloc.stale()
+    if stale is None:
+        return
+    if ra.steps == 0 and ra.cuts == 0:
+        ra._alloc = Allocation(ra.layers, ra._alloc.size_t.device)
+        ra._view.refresh(ra._alloc.masks)
+        with torch.no_grad():
+            ra._penalty_t.copy_(ra.penalty())
+        return
+    raise RuntimeError(
+        f"RankAdaptive at step {ra.steps}: TT layer {stale or '(the model)'} is at ranks "
+        f"{ra.layers[stale].spec.ranks}, not the {(1, *(m.numel() for m in ra._alloc.masks[stale]), 1)} it "
+        f"holds masks for: weights of other ranks were loaded into the model.  Load the RankAdaptive state saved with them (ra.load_state_dict"
+        f"(...)), or build a new RankAdaptive after loading the model")
+
+
 def _learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[int, float]:
     groups = optimizer.param_groups if optimizer is not None else []
     return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
@@ -207,11 +227,11 @@ class RankAdaptive(Reports):
         """After optimizer.step(): shrink the gates (proximal step, in the balanced gauge) and advance the
         schedule; every cut_every steps round every bond, switch off the zeroed gates, prune toward the late
         stage's target and re-allocate when due.  `loss` (this step's task loss, tensor or float) feeds the
-        late stage's moving average as ``loss()`` does, so ``loss()`` is needed only for the stage's objective
-        value.  Returns True when the cores were re-allocated (new Parameters; ``on_reallocate`` callbacks
-        have run).  A step the attached wrapper skipped (accelerate's between accumulation boundaries) is none."""
+        late stage's moving average.  Returns True when the cores were re-allocated (new Parameters;
+        ``on_reallocate`` callbacks have run).  An optimizer step skipped (by accelerate, a GradScaler) is none."""
         if skipped_step(self._stepper):
             return False
+        _follow_the_model(self)
         if loss is not None and self.late_stage_at is not None:
             self._last_loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         self.steps += 1
