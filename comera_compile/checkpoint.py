@@ -1,20 +1,15 @@
 """Saving and loading tensorized transformers models: the TT layout travels with the checkpoint.
 
-A tensorized model's weights are TT cores, which a dense model of the same class cannot hold.  So
-``save_pretrained`` (installed on the model by ``tensorize``, or called as ``cc.save_pretrained``) writes the
-config with the TT layout of every layer (kind, modes, ranks as allocated now) and the weights to
-``comera_model.pt``, not to the file name transformers loads.  A plain ``from_pretrained`` of such a folder
-therefore fails instead of returning a dense model with freshly initialised layers;
-``cc.from_pretrained(ModelClass, folder)`` rebuilds the model at the recorded shapes and ranks and loads it.
-An index (INDEX_NAME, transformers' name for a sharded checkpoint's) maps every weight to that file: the
-Trainer's ``resume_from_checkpoint`` reads it and loads the weights into the model, whose TT layers take the
-saved ranks.  It carries no ``metadata`` entry, which a plain ``from_pretrained`` reads first, so that one
-still stops (at a KeyError) before loading anything.
+``save_pretrained`` (installed on the model by ``tensorize``, or called as ``cc.save_pretrained``; it lives in
+comera_compile.huggingface with what else tensorize puts on a model) writes the config with the TT layout of
+every layer and the weights to WEIGHTS_NAME, with an index (INDEX_NAME) the Trainer resumes from but a plain
+``from_pretrained`` stops at.  ``cc.from_pretrained(ModelClass, folder)`` rebuilds the model at the recorded
+shapes and ranks, loads it, and sets it up as tensorize sets up a model (``huggingface.attach``), so it saves,
+resizes and ties as the model that was saved.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -22,32 +17,10 @@ import torch
 from torch import nn
 
 from .embedding import TTEmbedding, TTEmbeddingBag
+from .huggingface import INDEX_NAME, WEIGHTS_NAME, attach, save_pretrained, tt_layout
 from .layers import TTLayer, TTLinear
 
 __all__ = ["WEIGHTS_NAME", "INDEX_NAME", "tt_layout", "apply_layout", "save_pretrained", "from_pretrained"]
-
-WEIGHTS_NAME = "comera_model.pt"
-INDEX_NAME = "pytorch_model.bin.index.json"
-
-
-def tt_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Every TT layer of `model` by qualified name: its kind and what rebuilds it at its current shape."""
-    layout: dict[str, dict[str, Any]] = {}
-    for name, m in model.named_modules():
-        if not isinstance(m, TTLayer):
-            continue
-        s = m.spec
-        entry: dict[str, Any] = {"kind": type(m).__name__, "in_features": s.in_features,
-                                 "out_features": s.out_features, "in_modes": list(s.in_modes),
-                                 "out_modes": list(s.out_modes), "ranks": list(s.ranks)}
-        if isinstance(m, TTLinear):
-            entry["bias"] = m.bias is not None
-        else:
-            entry["padding_idx"] = m.padding_idx
-        if isinstance(m, TTEmbeddingBag):
-            entry["mode"], entry["include_last_offset"] = m.mode, m.include_last_offset
-        layout[name] = entry
-    return layout
 
 
 def _layer(entry: dict[str, Any], like: torch.Tensor | None) -> TTLayer:
@@ -68,43 +41,69 @@ def _layer(entry: dict[str, Any], like: torch.Tensor | None) -> TTLayer:
     raise ValueError(f"unknown TT layer kind {kind!r} in the layout")
 
 
+def _module(model: nn.Module, name: str) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as e:
+        raise ValueError(f"the TT layout names {name!r}, which {type(model).__name__} does not have: load the "
+                         f"checkpoint into the model class it was saved from") from e
+
+
 def apply_layout(model: nn.Module, layout: dict[str, dict[str, Any]]) -> nn.Module:
     """Swap the layers named in `layout` for TT layers of the recorded shapes and ranks (fresh values),
-    in place; returns the model."""
-    for name, entry in layout.items():
-        old = model.get_submodule(name)
-        like = next(old.parameters(), None)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, attr, _layer(entry, like))
+    in place, each under every name its dense layer has (one layer applied in two places stays one);
+    returns the model."""
+    names_of: dict[int, list[str]] = {}
+    for n, m in model.named_modules(remove_duplicate=False):
+        names_of.setdefault(id(m), []).append(n)
+    olds = {id(m): (m, entry) for m, entry in [(_module(model, n), e) for n, e in layout.items()]}
+    for old, entry in olds.values():   # every layer found before any is swapped
+        new = _layer(entry, next(old.parameters(), None))
+        for n in names_of[id(old)]:
+            parent, _, attr = n.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, new)
     return model
 
 
-def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    """Save a tensorized transformers model: config (with the TT layout as ``comera_layout``), weights in
-    WEIGHTS_NAME and the index the Trainer resumes from (INDEX_NAME).  Accepts (and ignores the serialization
-    options of) transformers' keyword arguments, so the Trainer can call it; ``state_dict=`` is honoured."""
-    if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):
-        raise TypeError(f"save_pretrained needs a transformers model (with .config); for {type(model).__name__} "
-                        f"save model.state_dict(): a freshly tensorized model loads it, ranks included")
-    os.makedirs(save_directory, exist_ok=True)
-    model.config.comera_layout = tt_layout(model)
-    model.config.save_pretrained(save_directory)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(save_directory)
-    state = kwargs.get("state_dict") or model.state_dict()
-    torch.save({k: v.detach().contiguous() for k, v in state.items()}, os.path.join(save_directory, WEIGHTS_NAME))
-    index = {"comera_compile": f"TT weights, in {WEIGHTS_NAME}: load them with comera_compile.from_pretrained("
-                               f"ModelClass, folder), or resume with the Trainer",
-             "weight_map": {k: WEIGHTS_NAME for k in state}}
-    with open(os.path.join(save_directory, INDEX_NAME), "w", encoding="utf-8") as f:
-        json.dump(index, f, indent=1)
+def _dtype(asked: torch.dtype | str | None, state: dict[str, torch.Tensor]) -> torch.dtype:
+    """The dtype to build in: the one asked for (a floating torch.dtype or its name), else ("auto" or None)
+    that of most of the saved floating-point values, as transformers' from_pretrained takes it."""
+    if asked is None or asked == "auto":
+        sizes: dict[torch.dtype, int] = {}
+        for v in state.values():
+            if v.is_floating_point():
+                sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+        return max(sizes, key=sizes.__getitem__) if sizes else torch.get_default_dtype()
+    dtype = getattr(torch, asked, None) if isinstance(asked, str) else asked
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, its name or 'auto', got {asked!r}")
+    return dtype
 
 
-def from_pretrained(model_class: Any, directory: str | os.PathLike, **config_kwargs: Any) -> nn.Module:
-    """Load a folder written by save_pretrained into `model_class` (a transformers model class): built from
-    the config, its layers swapped for TT layers at the recorded shapes and ranks, then every weight loaded
-    (strictly: a missing or unexpected key is an error)."""
+def _shared_groups(model: nn.Module, layout: dict[str, dict[str, Any]]) -> set[str]:
+    """The layers that share one weight in the freshly built model (transformers tied them, as the config
+    says) and of which the saved model has a TT layer: they were apart when saved, so they stay apart.
+    Named as tensorize names an untied group."""
+    owners: dict[int, list[str]] = {}
+    for name, m in model.named_modules():
+        for p in m.parameters(recurse=False):
+            if name:
+                owners.setdefault(id(p), []).append(name)
+    return {" and ".join(sorted(names)) for names in owners.values()
+            if len(names) > 1 and any(n in layout for n in names)}
+
+
+def from_pretrained(model_class: Any, directory: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    **config_kwargs: Any) -> nn.Module:
+    """Load a folder written by save_pretrained into `model_class` (a transformers model class), as
+    transformers' from_pretrained loads a dense one: built from the config in `dtype` (default: the saved
+    weights'; ``torch_dtype=`` is taken too), its layers swapped for TT layers at the recorded shapes and
+    ranks, every weight loaded (strictly: a missing or unexpected key is an error), returned in eval mode.
+    The model gets what tensorize gives one (comera's save_pretrained, resize_token_embeddings and, where
+    layers were untied, tie_weights; ``comera_summary``), so it saves, resizes and ties as the saved one."""
+    from comera_compile.passes.module.select import TensorizeSummary
+
+    legacy = config_kwargs.pop("torch_dtype", None)
     config = model_class.config_class.from_pretrained(directory, **config_kwargs)
     layout = getattr(config, "comera_layout", None)
     path = os.path.join(directory, WEIGHTS_NAME)
@@ -112,8 +111,22 @@ def from_pretrained(model_class: Any, directory: str | os.PathLike, **config_kwa
         raise ValueError(f"{directory} is not a tensorized checkpoint (no comera_layout in its config or no "
                          f"{WEIGHTS_NAME}); load it with {getattr(model_class, '__name__', model_class)}"
                          f".from_pretrained")
-    model = apply_layout(model_class(config), layout)
-    model.load_state_dict(torch.load(path, map_location="cpu"), strict=True)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    return model
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    dtype = _dtype(dtype if dtype is not None else legacy, state)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)   # as transformers builds a model in the dtype it loads
+    try:
+        model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+    summary = TensorizeSummary(
+        rewritten={n: f"{e['kind']} (from {type(_module(model, n)).__name__})" for n, e in layout.items()},
+        untied=sorted(set(getattr(config, "comera_untied", None) or ()) | _shared_groups(model, layout)))
+    apply_layout(model, layout)
+    model.load_state_dict(state, strict=True)
+    model.config.dtype = dtype
+    attach(model, summary)
+    model.comera_summary = summary
+    if callable(getattr(model, "tie_weights", None)):
+        model.tie_weights()   # comera's where layers were untied: those stay apart
+    return model.eval()

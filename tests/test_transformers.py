@@ -113,7 +113,7 @@ def test_gpt2_untie_is_explicit_and_announced():
 @pytest.mark.parametrize("factory", [_bert, _gpt2], ids=["bert", "gpt2"])
 def test_densify_gives_back_plain_layers_with_the_same_logits(factory):
     """tensorize at a low rank, then densify: every layer a plain nn.Linear / nn.Embedding again (GPT-2's
-    Conv1D comes back as nn.Linear), the logits those of the TT model."""
+    Conv1D as Conv1D: tests/test_pretrained.py), the logits those of the TT model."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tt = cc.tensorize(factory().eval(), rank=4, min_features=1)

@@ -22,6 +22,7 @@ import copy
 import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from comera_compile import huggingface
@@ -145,19 +146,44 @@ def _set_submodule(root: nn.Module, qualname: str, new: nn.Module) -> None:
 
 
 def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
-    """Every TT layer of `model` back to a plain dense layer -- TTLinear to nn.Linear, TTEmbedding to
-    nn.Embedding, TTEmbeddingBag to nn.EmbeddingBag -- holding the weight its cores and gates represent
+    """Every TT layer of `model` back to a plain dense layer -- TTLinear to nn.Linear (or to transformers'
+    Conv1D where it replaced one, as in GPT-2: ``comera_summary`` says which), TTEmbedding to nn.Embedding,
+    TTEmbeddingBag to nn.EmbeddingBag -- holding the weight its cores and gates represent
     (``TTLayer.to_dense_module``): for export or serving, or for a plain model after compressed training.
-    Returns a copy unless inplace; a model that is itself a TT layer comes back as the dense layer."""
+    With no TT layer left, a transformers model is a plain one again (huggingface.detach): transformers'
+    save_pretrained writes a checkpoint its from_pretrained loads, and layers tied='untie' gave their own stay
+    apart.  Returns a copy unless inplace; a model that is itself a TT layer comes back as the dense layer."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"densify takes an nn.Module, got {type(model).__name__}")
     if isinstance(model, TTLayer):
-        return model.to_dense_module()
+        return _dense_layer(model, getattr(model, "comera_summary", None), "")
     layers = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, TTLayer)]
     work = model if inplace else copy.deepcopy(model, {id(m): m for _, m in layers})
+    summary = getattr(work, "comera_summary", None)
     built: dict[int, nn.Module] = {}
     for name, layer in layers:
         if id(layer) not in built:  # a layer registered under two names stays one layer
-            built[id(layer)] = layer.to_dense_module()
+            built[id(layer)] = _dense_layer(layer, summary, name)
         _set_submodule(work, name, built[id(layer)])
+    if summary is not None:
+        for name, _ in layers:
+            summary.rewritten.pop(name, None)
+            summary.kept_dense[name] = "made dense by densify"
+    if not any(isinstance(m, TTLayer) for m in work.modules()):
+        huggingface.detach(work)
     return work
+
+
+def _dense_layer(layer: TTLayer, summary: TensorizeSummary | None, name: str) -> nn.Module:
+    """The dense layer for `layer`: transformers' Conv1D (weight (in, out)) where the summary says it
+    replaced one, so that the model's own checkpoints fit it; else ``layer.to_dense_module()``."""
+    dense = layer.to_dense_module()
+    if summary is None or not summary.rewritten.get(name, "").endswith("(from Conv1D)"):
+        return dense
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):   # its own initial weight, about to be replaced, is never allocated
+        conv = Conv1D(dense.out_features, dense.in_features)
+    conv.weight = nn.Parameter(dense.weight.detach().t().contiguous())
+    conv.bias = dense.bias
+    return conv
