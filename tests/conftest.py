@@ -47,3 +47,13 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def quiet_transformers():
+    """transformers' logging at errors only while the test runs (its loaders' reports are long)."""
+    transformers = pytest.importorskip("transformers")
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(level)

@@ -58,12 +58,7 @@ def _logits(model: nn.Module, name: str, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, **extra).logits
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    yield
-    transformers.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 
 @pytest.mark.parametrize("name", FAMILIES)
