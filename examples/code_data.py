@@ -66,9 +66,19 @@ def _is_text(path: Path) -> bool:
 def _walk(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path]:
     """Every file under root (or those ending in one of suffixes), sorted, skipping hidden files and folders,
     caches, environments and third-party packages, and each file listed once: a symlink or hard link to a file
-    already listed is left out, since a split by file would otherwise put the same text on both sides."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    already listed is left out, since a split by file would otherwise put the same text on both sides.
+    Symlinked folders are followed, each folder walked once (a link back up the tree ends there)."""
+    found, walked = [], set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in walked:
+            dirnames[:] = []
+            continue
+        walked.add((st.st_dev, st.st_ino))
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("."))
         found.extend(Path(dirpath) / n for n in filenames
                      if not n.startswith(".") and (suffixes is None or n.endswith(suffixes)))

@@ -288,6 +288,24 @@ def test_linked_and_copied_files_never_straddle_the_split(tmp_path):
     assert len(lm_sources._walk(tmp_path)) == 20  # each linked file listed once; the copies are other files
 
 
+def test_a_symlinked_folder_is_read_and_a_link_loop_ends(tmp_path):
+    """A corpus whose folders are symlinks (a shelf of books linked in) is read through them, each folder once:
+    a link back up the tree (a loop) and a second link to a folder already read add nothing."""
+    books = tmp_path / "elsewhere" / "books"
+    _write_texts(books, _docs(8))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    try:
+        (corpus / "books").symlink_to(books, target_is_directory=True)
+        (corpus / "again").symlink_to(books, target_is_directory=True)
+        (books / "up").symlink_to(corpus, target_is_directory=True)
+    except (OSError, NotImplementedError):
+        pytest.skip("this filesystem has no symlinks")
+    assert len(lm_sources._walk(corpus)) == 8
+    lm = load_lm_data(corpus, **SMALL, val_fraction=0.25)
+    assert sum(lm.documents) == 8
+
+
 def test_repeated_paragraphs_and_records_stay_on_one_side(tmp_path):
     """Boilerplate repeated through one text file (or one JSON Lines file) is held out or trained, never both."""
     docs = _docs(6) + [f"{_sentinel(6 + i)} boilerplate paragraph {i}\n" for i in range(4)]
