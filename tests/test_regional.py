@@ -491,7 +491,9 @@ def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_ea
     8-60, labels -100 on the padding) and gradient accumulation, whose token count the Trainer hands the
     model (``num_items_in_batch``) and the model hands each block.  With the 12 layers compiled by "comera"
     (cc.compile_blocks), the logged losses and the trained parameters are those of the same Trainer run
-    eagerly; two graphs serve every layer and length (the first length's, then a dynamic one), none eager."""
+    eagerly; two graphs serve every layer and length (the first length's, then a dynamic one), none eager.
+    RankAdaptive runs in both through its callback, its late stage from step 2: each step's loss it is fed is
+    the one the Trainer logs (the micro-batches' shares of the token mean added)."""
     base = _model("llama")
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 61, (24,), generator=g).tolist()
@@ -506,10 +508,14 @@ def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_ea
         args = transformers.TrainingArguments(str(tmp_path), max_steps=3, per_device_train_batch_size=2,
                                               gradient_accumulation_steps=2, logging_steps=1, save_strategy="no",
                                               report_to="none", disable_tqdm=True, seed=0)
+        ra = cc.RankAdaptive(model, target_ratio=0.5, late_stage_at=2)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
-                                       optimizers=(torch.optim.AdamW(cc.param_groups(model, lr=1e-3)), None))
+                                       optimizers=(torch.optim.AdamW(cc.param_groups(model, lr=1e-3)), None),
+                                       callbacks=[ra.trainer_callback()])
         trainer.train()
-        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        logged = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert [r.loss for r in ra.history] == pytest.approx(logged, rel=1e-5) and ra.stage == "late"
+        return logged
 
     eager = copy.deepcopy(base)
     with warnings.catch_warnings():
