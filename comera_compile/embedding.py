@@ -81,8 +81,10 @@ class TTEmbedding(TTLayer):
     """An embedding table V x D held as a TTM factorization; lookups never build the table.
 
     Row i is found from its mixed-radix digits (i_1..i_d) over the row modes: the product of the cores'
-    slices G_k[:, i_k, :, :].  padding_idx behaves as in nn.Embedding: that row reads as zeros and gets
-    no gradient."""
+    slices G_k[:, i_k, :, :].  padding_idx behaves as in nn.Embedding: that row is stored apart (the buffer
+    ``padding_row``: zeros, or the dense table's row from_dense was given) and gets no gradient."""
+
+    _keeps_padding_row = True   # a bag leaves padding entries out, so it never reads the row
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
@@ -99,6 +101,9 @@ class TTEmbedding(TTLayer):
             if not -self.num_embeddings <= padding_idx < self.num_embeddings:
                 raise ValueError(f"padding_idx must be within the {self.num_embeddings} rows, got {padding_idx}")
             padding_idx %= self.num_embeddings
+            if self._keeps_padding_row:
+                self.register_buffer("padding_row", torch.zeros(self.embedding_dim, device=device,
+                                                                dtype=self.cores[0].dtype))
         self.padding_idx = padding_idx
         strides, acc = [], 1
         for v in reversed(spec.in_modes):
@@ -108,21 +113,37 @@ class TTEmbedding(TTLayer):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Re-initialise as nn.Embedding does (rows N(0, 1); the padding row reads as zeros whatever the
-        cores hold): for ``model.to_empty(device=...)`` followed by each module's reset_parameters()."""
+        """Re-initialise as nn.Embedding does (rows N(0, 1), the padding row zeros): for
+        ``model.to_empty(device=...)`` followed by each module's reset_parameters()."""
         self._reset_cores(1.0)
+        if getattr(self, "padding_row", None) is not None:
+            self.padding_row.zero_()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if f"{prefix}padding_row" in missing_keys:   # saved before the row was kept: it read as zeros
+            missing_keys.remove(f"{prefix}padding_row")
+            with torch.no_grad():
+                self.padding_row.zero_()
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, padding_idx: int | None = None, *,
                    rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
                    col_modes: Sequence[int] | None = None, d: int | None = None,
                    init: str = "svd") -> "TTEmbedding":
-        """A TTEmbedding for a dense (V, D) table; init="svd" factorizes it (exact at full ranks)."""
+        """A TTEmbedding for a dense (V, D) table; init="svd" factorizes it (exact at full ranks, the padding
+        row included: it is kept as it is)."""
         check_init(init)
         v, e = weight.shape
         spec = make_spec("ttm", v, e, rank, row_modes, col_modes, d, where="TTEmbedding")
         cores = svd_cores(weight.detach(), spec) if init == "svd" else None
-        return cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
+        layer = cls(v, e, padding_idx, spec=spec, _cores=cores, device=weight.device, dtype=weight.dtype)
+        if init == "svd" and padding_idx is not None:
+            with torch.no_grad():
+                layer.padding_row.copy_(weight[layer.padding_idx])
+        return layer
 
     def plan(self, rows: int, training: bool = True, dedupe: bool = True) -> networks.LookupPlan:
         """How `rows` distinct rows are looked up: the core pairs merged (into tables, or only for the
@@ -206,8 +227,9 @@ class TTEmbedding(TTLayer):
     def _lookup(self, flat: torch.Tensor, dedupe: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(rows, inverse): in eager mode the distinct rows of `flat` and where each entry of it sits among
         them; while compiling (no data-dependent shapes) one row per entry and inverse None.  The padding
-        row reads as zeros, so it gets no gradient."""
-        with torch.autocast(flat.device.type, enabled=False):  # nn.Embedding ignores autocast: so do we
+        row reads as padding_row (zeros in a bag), so the cores get no gradient from it."""
+        # nn.Embedding ignores autocast: so do we (the meta device has no autocast to turn off)
+        with contextlib.nullcontext() if flat.is_meta else torch.autocast(flat.device.type, enabled=False):
             return self._lookup_rows(flat, dedupe)
 
     def _lookup_rows(self, flat: torch.Tensor, dedupe: bool | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -223,7 +245,8 @@ class TTEmbedding(TTLayer):
             groups, program = networks.ttm_lookup_program(self.spec.token, EXPORT_ROWS, training, False)
         out = self._rows(keys, groups, program)
         if self.padding_idx is not None:
-            out = out * (keys != self.padding_idx).unsqueeze(1).to(out.dtype)
+            row = self.padding_row.to(out.dtype) if self._keeps_padding_row else out.new_zeros(())
+            out = torch.where((keys == self.padding_idx).unsqueeze(1), row, out)
         return out, inverse
 
     @profiled("tt_embedding")
@@ -237,12 +260,18 @@ class TTEmbedding(TTLayer):
         return F.embedding(inverse.reshape(indices.shape), rows)
 
     def to_dense(self) -> torch.Tensor:
-        """The dense table (num_embeddings, embedding_dim), padding row zeroed as the lookup reads it."""
+        """The dense table (num_embeddings, embedding_dim), the padding row as the lookup reads it."""
         w = cores_to_dense(list(self.cores), list(self.gates), self.spec)
         if self.padding_idx is not None:
             w = w.clone()
-            w[self.padding_idx] = 0
+            w[self.padding_idx] = self.padding_row if self._keeps_padding_row else 0
         return w
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """nn.Embedding's weight, for code that reads it (``emb.weight.device``, a head written as
+        ``h @ emb.weight.t()``): the dense table the cores represent, built on each access (differentiable)."""
+        return self.to_dense()
 
     @torch.no_grad()
     def to_dense_module(self) -> nn.Embedding:
@@ -270,6 +299,8 @@ class TTEmbeddingBag(TTEmbedding):
     bags given as nn.EmbeddingBag takes them (a 2-D input of fixed-size bags, or a 1-D input with offsets,
     include_last_offset, per_sample_weights in "sum" mode).  Each distinct row of a batch is looked up once;
     entries equal to padding_idx are left out of their bag (and of a mean's count)."""
+
+    _keeps_padding_row = False
 
     def __init__(self, num_embeddings: int, embedding_dim: int, mode: str = "mean", *,
                  padding_idx: int | None = None, include_last_offset: bool = False,

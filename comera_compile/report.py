@@ -102,6 +102,9 @@ def explain(model: nn.Module, rows: int = 1024, tau: float = DEFAULT_TAU) -> Exp
     """Per TT layer: qualified name, kind, dense shape, modes (and padding), ranks (active / allocated),
     dense vs TT parameters, compression, forward FLOPs per row at `rows` rows (and the order used);
     and totals for the whole model.  Gates with |g| < tau count as switched off."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"explain: rows must be a positive integer (the row count FLOPs are reported for), "
+                         f"got {rows!r}")
     table: list[LayerRow] = []
     for name, mod in model.named_modules():
         if not isinstance(mod, TTLayer):

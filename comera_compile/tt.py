@@ -9,9 +9,10 @@ Dimensions that do not factor well are padded up to one that does; the padding s
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,12 +32,8 @@ def _factorizations(n: int, d: int, max_factor: int) -> tuple[tuple[int, ...], .
     """All ways to write n as a product of d factors, non-increasing, each at most max_factor."""
     if d == 1:
         return ((n,),) if n <= max_factor else ()
-    out = []
-    for f in range(min(n, max_factor), 0, -1):
-        if n % f == 0:
-            for rest in _factorizations(n // f, d - 1, f):
-                out.append((f,) + rest)
-    return tuple(out)
+    return tuple((f,) + rest for f in range(min(n, max_factor), 0, -1) if n % f == 0
+                 for rest in _factorizations(n // f, d - 1, f))
 
 
 def _balance_key(factors: Sequence[int]) -> tuple[int, float]:
@@ -222,15 +219,25 @@ def _max_ranks(sizes: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _integer(value: Any, what: str) -> int:
+    """`value` as an int, where it is one (a Python or NumPy integer, not a bool, float or string)."""
+    try:
+        if not isinstance(value, bool):
+            return operator.index(value)
+    except TypeError:
+        pass
+    raise TypeError(f"{what} must be an integer, got {value!r}")
+
+
 def _resolve_ranks(rank: int | Sequence[int], max_ranks: tuple[int, ...], where: str) -> tuple[int, ...]:
     n_bonds = len(max_ranks) - 2
-    if isinstance(rank, bool) or not isinstance(rank, (int, Sequence)):
-        raise TypeError(f"{where}: rank must be an int or a list of ints, got {type(rank).__name__}")
+    if isinstance(rank, (bool, str, bytes)) or not isinstance(rank, (int, Sequence)):
+        raise TypeError(f"{where}: rank must be an int or a list of ints, got {rank!r}")
     if isinstance(rank, int):
         if rank <= 0:
             raise ValueError(f"{where}: rank must be a positive integer, got {rank}")
         return (1, *(min(rank, m) for m in max_ranks[1:-1]), 1)
-    ranks = [int(r) for r in rank]
+    ranks = [_integer(r, f"{where}: rank list entry") for r in rank]
     if len(ranks) == n_bonds + 2:
         if ranks[0] != 1 or ranks[-1] != 1:
             raise ValueError(f"{where}: a full rank list must start and end with 1, got {ranks}")
@@ -265,13 +272,15 @@ def make_spec(kind: str, in_features: int, out_features: int, rank: int | Sequen
     if d is None:
         d = len(in_modes) if in_modes is not None else len(out_modes) if out_modes is not None else (
             3 if kind == "tt" else 4)
+    elif _integer(d, f"{where}: d (the number of cores)") < 1:
+        raise ValueError(f"{where}: d (the number of cores) must be at least 1, got {d}")
     if in_modes is None:
         in_modes = choose_modes(in_features, d)
     if out_modes is None:
         out_modes = choose_modes(out_features, d if kind == "ttm" else d)
         if kind == "tt":
             out_modes = tuple(sorted(out_modes))
-    in_modes, out_modes = tuple(int(m) for m in in_modes), tuple(int(m) for m in out_modes)
+    in_modes, out_modes = (tuple(_integer(m, f"{where}: a mode") for m in ms) for ms in (in_modes, out_modes))
     for label, modes, n in (("in_modes", in_modes, in_features), ("out_modes", out_modes, out_features)):
         if not modes or any(m < 1 for m in modes):
             raise ValueError(f"{where}: {label} must be positive integers, got {modes}")

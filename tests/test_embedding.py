@@ -457,3 +457,51 @@ def test_tensorized_model_exports_with_a_dynamic_batch_from_1_to_4096():
     for n in (1, 3, 64, 4096):
         ids = torch.randint(0, 500, (n, 7))
         torch.testing.assert_close(exported(ids), model(ids), rtol=1e-5, atol=1e-6)
+
+
+def test_a_padding_row_that_is_not_zero_reads_as_the_dense_table_s_in_every_mode():
+    """nn.Embedding returns the stored padding row (only its gradient is zero), and a pretrained table's is
+    often not zero: at full rank the TT embedding gives the dense model's rows and gradients (float64) eager,
+    compiled by "comera" and exported; densify and .weight give the table back; a state_dict saved before the
+    row was kept loads it as zeros, as such a layer read it."""
+    torch.manual_seed(0)
+    dense = nn.Embedding(96, 16, padding_idx=3).double()
+    with torch.no_grad():
+        dense.weight[3] = torch.randn(16, dtype=torch.float64)
+    tt = TTEmbedding.from_dense(dense.weight, 3, rank=FULL)
+    ids = torch.tensor([[3, 0, 5, 3, 95]])
+    compiled = torch.compile(_Lookup(tt), backend="comera", fullgraph=True)
+    exported = torch.export.export(_Lookup(tt), (ids,)).module()
+    for run in (tt, compiled, exported):
+        torch.testing.assert_close(run(ids), dense(ids), rtol=1e-10, atol=1e-10)
+    # the cores' gradients: the dense table's (F.embedding gives its padding row none)
+    assert grads_vs_dense(tt, tt(ids), lambda table: F.embedding(ids, table, 3)) < 1e-10
+    torch.testing.assert_close(tt.weight, dense.weight, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(cc.densify(tt).weight, dense.weight, rtol=1e-10, atol=1e-10)
+    old = {k: v for k, v in tt.state_dict().items() if k != "padding_row"}
+    loaded = TTEmbedding(96, 16, 3, rank=FULL, dtype=torch.float64)
+    loaded.load_state_dict(old)   # strict
+    assert loaded(ids)[0, 0].abs().max() == 0 and torch.equal(loaded(ids)[0, 1], tt(ids)[0, 1])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("cls", [TTEmbedding, TTEmbeddingBag], ids=["embedding", "bag"])
+def test_lookups_on_the_meta_device_give_nn_embedding_s_shapes(cls):
+    with torch.device("meta"):
+        layer, ref = cls(100, 16, padding_idx=1, rank=4), (nn.EmbeddingBag if cls is TTEmbeddingBag else
+                                                            nn.Embedding)(100, 16, padding_idx=1)
+        ids = torch.zeros(3, 4, dtype=torch.long)
+        out = layer(ids)
+        assert out.is_meta and out.shape == ref(ids).shape
+
+
+def test_code_that_reads_an_embedding_s_weight_reads_the_table():
+    """``emb.weight`` (a tied head written as h @ emb.weight.t(), a check of its device): the dense table the
+    cores represent, differentiable into the cores."""
+    torch.manual_seed(0)
+    dense = nn.Embedding(64, 16).double()
+    tt = cc.tensorize(nn.Sequential(dense), rank=FULL, init="svd", min_features=1)[0]
+    h = torch.randn(5, 16, dtype=torch.float64)
+    torch.testing.assert_close(h @ tt.weight.t(), h @ dense.weight.t(), rtol=1e-10, atol=1e-10)
+    (h @ tt.weight.t()).sum().backward()
+    assert all(c.grad is not None and c.grad.abs().sum() > 0 for c in tt.cores)

@@ -175,12 +175,21 @@ def test_untraceable_model_falls_back_module_by_module_with_warning():
     (dict(include="layers.0.attn_norm"), "LayerNorm"),
     (dict(preset="no-such-preset"), "unknown preset"),
     (dict(init="zeros"), "init must be"),
+    (dict(rank="30"), "rank must be a positive int or a list of ints, got '30'"),
+    (dict(rank="11111"), "got '11111'"),                      # a string is not a list of ranks
+    (dict(rank=[2.0] * 5, include="layers.0.ffn_up"), "must be an integer, got 2.0"),
+    (dict(min_features="64"), "min_features must be an integer"),
+    (dict(d="3"), r"d \(the number of cores per layer\) must be an integer"),
+    (dict(d=0), "must be an integer of at least 1"),
+    (dict(shapes={"layers.*.ffn_upp": ((4, 4, 3), (4, 4, 6))}), r"shapes key\(s\) \['layers.\*.ffn_upp'\] match no layer"),
+    (dict(shapes={(96, 40): ((4, 4, 6), (4, 2, 5))}), r"match no layer.*layers.0.ffn_up \(48, 96\)"),
+    (dict(shapes={"fc1": (4, 4)}), "must be a LayerShape"),
 ])
 def test_bad_input_gives_clear_error_and_leaves_model_untouched(kwargs, match, inplace):
     model = _small_encoder()
     snap = _snapshot(model)
     with pytest.raises((ValueError, TypeError), match=match):
-        cc.tensorize(model, min_features=1, inplace=inplace, **kwargs)
+        cc.tensorize(model, inplace=inplace, **{"min_features": 1, **kwargs})
     _assert_untouched(model, snap)
 
 
@@ -409,3 +418,177 @@ def test_layers_whose_class_computes_something_else_stay_dense_and_say_so():
     with pytest.raises(cc.TensorizeError, match=r"'word'.*_ScaledEmbedding replaces nn.Embedding.forward"):
         cc.tensorize(model, rank=4, include=["word", "out"], inplace=True)
     _assert_untouched(model, snap)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.emb(ids))))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_hooks_on_a_rewritten_layer_run_on_its_tt_layer(inplace):
+    """Forward pre-hooks, forward hooks (with kwargs too) and backward hooks the user put on a dense layer run
+    on the TT layer that replaces it: at full rank the output and gradients are the dense model's (float64).
+    With inplace=True the user's handles still remove them."""
+    torch.manual_seed(0)
+    model = _Mlp().double()
+    seen = []
+    handles = [model.up.register_forward_pre_hook(lambda m, args: (args[0].clamp(-0.5, 0.5),)),
+               model.down.register_forward_hook(lambda m, args, kwargs, out: 2 * out, with_kwargs=True),
+               model.up.register_full_backward_hook(lambda m, gin, gout: seen.append(gout[0].shape))]
+    ids = torch.randint(0, 100, (3, 7))
+    want = model(ids)
+    want.sum().backward()
+    want_grad = model.emb.weight.grad.clone()
+    model.zero_grad()
+    tt = cc.tensorize(model, rank=FULL, init="svd", inplace=inplace, min_features=1, exclude="emb")
+    got = tt(ids)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(tt.emb.weight.grad, want_grad, rtol=1e-10, atol=1e-10)
+    assert seen == [torch.Size([3, 7, 128])] * 2
+    for h in handles:
+        h.remove()
+    plain = _Mlp().double()
+    plain.load_state_dict(cc.densify(tt).state_dict())
+    if inplace:   # the handles removed the TT layers' hooks: the model computes the plain map again
+        torch.testing.assert_close(tt(ids), plain(ids), rtol=1e-10, atol=1e-10)
+    else:         # the copy keeps its own hooks, as deepcopy's copies of the other modules do
+        torch.testing.assert_close(tt(ids), want, rtol=1e-10, atol=1e-10)
+
+
+def test_layers_whose_weight_is_computed_stay_dense_and_say_so():
+    """A parametrized weight (orthogonal, spectral_norm) or one weight_norm's hooks compute is kept dense with
+    a warning: a TT layer holds a weight of its own, so the constraint would be dropped.  Naming one in include
+    is an error that leaves the model untouched."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)).double()
+    torch.nn.utils.parametrizations.orthogonal(model[0])
+    torch.nn.utils.parametrizations.spectral_norm(model[1])
+    x = torch.randn(5, 64, dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"kept 2 layer\(s\) dense .*0 \(ParametrizedLinear: its weight is "
+                                         r"parametrized"):
+        tt = cc.tensorize(model, rank=FULL, init="svd", min_features=1)
+    assert list(tt.comera_summary.rewritten) == ["2"]
+    assert torch.nn.utils.parametrize.is_parametrized(tt[0]) and isinstance(tt[2], TTLinear)
+    torch.testing.assert_close(tt.eval()(x), model.eval()(x), rtol=1e-10, atol=1e-10)
+    snap = _snapshot(model)
+    with pytest.raises(cc.TensorizeError, match=r"'0': its weight is parametrized"):
+        cc.tensorize(model, rank=4, include=["0", "2"], inplace=True)
+    _assert_untouched(model, snap)
+    # torch.nn.utils.weight_norm's module cannot be deep-copied (torch's rule): inplace
+    old_style = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).double()
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(old_style[0])
+    want = old_style(x)
+    with pytest.warns(UserWarning, match=r"0 \(Linear: its weight is computed by a hook"):
+        cc.tensorize(old_style, rank=FULL, init="svd", min_features=1, inplace=True)
+    assert type(old_style[0]) is nn.Linear and isinstance(old_style[1], TTLinear)
+    torch.testing.assert_close(old_style(x), want, rtol=1e-10, atol=1e-10)
+
+
+def test_frozen_layers_stay_frozen_and_rank_adaptive_leaves_them_alone():
+    """A layer frozen before tensorize (requires_grad=False) comes back frozen, its bias too; RankAdaptive
+    says it leaves it and never changes it, while it shrinks and cuts the trainable layers."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    model.emb.requires_grad_(False)
+    model.up.requires_grad_(False)
+    tt = cc.tensorize(model, rank=8, min_features=1)
+    frozen = {n for n, p in tt.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in tt.named_parameters() if n.startswith(("emb.", "up."))}
+    opt = torch.optim.AdamW([p for p in tt.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.warns(UserWarning, match=r"leaves 2 frozen TT layer\(s\) at their ranks \(emb, up\)"):
+        ra = cc.RankAdaptive(tt, optimizer=opt, cut_every=2, realloc_at=None)
+    before = {n: p.clone() for n, p in tt.named_parameters() if n in frozen}
+    ids = torch.randint(0, 100, (4, 6))
+    for _ in range(6):
+        loss = ra.loss(tt(ids).square().mean())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step(loss)
+    for n, p in tt.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, before[n]), n
+    with torch.no_grad():   # switched-off slices in a frozen layer and a trainable one
+        tt.up.gates[1][:3] = 0.0
+        tt.down.gates[1][:3] = 0.0
+    ranks = tt.up.ranks
+    ra.step(), ra.step()    # a check: the zero gates of the layers it adapts switch off
+    assert ra.cut() > 0 and set(ra.layers) == {"down"}
+    assert tt.down.ranks[2] == 8 - 3 and tt.up.ranks == ranks
+    with pytest.raises(ValueError, match="every TT layer of _Mlp is frozen"):
+        cc.RankAdaptive(cc.tensorize(model.requires_grad_(False), rank=8, min_features=1))
+
+
+class _LoRALinear(nn.Linear):
+    """A LoRA adapter in the shape loralib gives it: a low-rank update whose B starts at zero."""
+
+    def __init__(self, n_in: int, n_out: int, r: int = 4) -> None:
+        super().__init__(n_in, n_out)
+        self.lora_A = nn.Parameter(torch.randn(r, n_in) * 0.01)
+        self.lora_B = nn.Parameter(torch.zeros(n_out, r))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+def test_a_subclass_holding_state_of_its_own_stays_dense_whatever_its_values():
+    """A subclass that replaces the forward and holds parameters or submodules besides weight and bias (a LoRA
+    adapter, a QAT layer with its fake-quantizers) stays dense, even where its forward happens to compute the
+    plain map (LoRA's B at zero); tensorize runs nothing of it, so its observers are not fed a probe."""
+    torch.manual_seed(0)
+    from torch.ao.nn.qat import Linear as QATLinear
+    from torch.ao.quantization import get_default_qat_qconfig
+
+    model = nn.Sequential(_LoRALinear(64, 64), QATLinear(64, 64, qconfig=get_default_qat_qconfig("fbgemm")),
+                          nn.Linear(64, 64))
+    snap = _snapshot(model)
+    with pytest.warns(UserWarning, match=r"kept 2 layer\(s\) dense whose class has its own forward"):
+        tt = cc.tensorize(model, rank=8, min_features=1)
+    _assert_untouched(model, snap)    # the fake-quantizers' observers saw nothing
+    assert type(tt[0]) is _LoRALinear and type(tt[1]) is QATLinear and isinstance(tt[2], TTLinear)
+    assert "holds lora_A, lora_B" in tt.comera_summary.kept_dense["0"]
+    assert "holds weight_fake_quant" in tt.comera_summary.kept_dense["1"]
+
+
+def test_tensorize_twice_keeps_what_the_first_call_rewrote():
+    """A second tensorize call over a tensorized model adds its layers to the summary, so densify still knows
+    every layer's dense form (Conv1D where the first call replaced one) and the model's own loader reads it."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Gpt2Like(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn, self.mlp = Conv1D(192, 64), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.mlp(self.attn(x)[..., :64])
+
+    torch.manual_seed(0)
+    model = Gpt2Like().double()
+    once = cc.tensorize(model, rank=FULL, init="svd", include="attn", min_features=1)
+    twice = cc.tensorize(once, rank=FULL, init="svd", include="mlp", min_features=1)
+    assert set(twice.comera_summary.rewritten) == {"attn", "mlp"}
+    dense = cc.densify(twice)
+    assert type(dense.attn) is Conv1D and type(dense.mlp) is nn.Linear
+    x = torch.randn(2, 64, dtype=torch.float64)
+    torch.testing.assert_close(dense(x), model(x), rtol=1e-10, atol=1e-10)
+    assert model.state_dict().keys() == dense.state_dict().keys()
+    for k, v in dense.state_dict().items():
+        assert v.shape == model.state_dict()[k].shape, k
+
+
+def test_inspect_cli_errors_are_one_line_messages(tmp_path):
+    for args, message in ((["--rank", "0"], "comera-compile inspect: rank must be a positive integer, got 0"),
+                          (["--rows", "0"], "argument --rows: expected a positive integer, got '0'"),
+                          (["--rows", "-4"], "argument --rows: expected a positive integer, got '-4'")):
+        run = subprocess.run([sys.executable, "-m", "comera_compile", "inspect", "--example", "six-encoder",
+                              "--layers", "1", *args], capture_output=True, text=True, timeout=300)
+        assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr

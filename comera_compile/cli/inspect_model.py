@@ -106,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None:
         kwargs["rank"] = args.rank
     dense_params = sum(p.numel() for p in model.parameters())
-    tt = cc.tensorize(model, inplace=True, **kwargs)
+    try:
+        tt = cc.tensorize(model, inplace=True, **kwargs)
+    except cc.TensorizeError as e:
+        raise SystemExit(f"comera-compile inspect: {e}") from e
     # auto: the torch.fx module graph where torch.fx traces the model (compact: TT layers as named calls),
     # else the graph torch.compile captures, contractions expanded, for which the model needs inputs.
     shown = args.graph != "dynamo" and _show_fx(tt)
@@ -122,6 +125,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="tensorize a model and print its rewritten graph and layer table")
     src = p.add_mutually_exclusive_group(required=True)
@@ -129,8 +143,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("model", nargs="?", metavar="MODULE:FACTORY",
                      help="import MODULE and call FACTORY() for the model")
     p.add_argument("--rank", type=int, default=None, help="TT rank (default: 30, or the example's preset)")
-    p.add_argument("--layers", type=int, default=6, help="encoder layers of the example model (default 6)")
-    p.add_argument("--rows", type=int, default=1024, help="row count the FLOPs are reported for")
+    p.add_argument("--layers", type=_positive, default=6, help="encoder layers of the example model (default 6)")
+    p.add_argument("--rows", type=_positive, default=1024, help="row count the FLOPs are reported for")
     p.add_argument("--graph", choices=("auto", "fx", "dynamo"), default="auto",
                    help="which graph to print: fx, the module graph torch.fx traces (TT layers as calls); dynamo, "
                         "each graph torch.compile(backend='comera') captures, after comera's passes, with every TT "

@@ -113,6 +113,24 @@ def _check_arguments(tau: Any, gamma: Any, target_ratio: Any, late_stage_at: Any
                          f"re-allocation) or None (only explicit cut()), got {realloc_at!r}")
 
 
+def _trainable_layers(model: nn.Module) -> dict[str, TTLayer]:
+    """The TT layers RankAdaptive adapts: every one but the frozen (no parameter requiring grad), which are
+    the user's to keep as they are (a warning names them)."""
+    every = tt_layers(model)
+    if not every:
+        raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
+                         f"(model = comera_compile.tensorize(model))")
+    layers = {n: m for n, m in every.items() if any(p.requires_grad for p in m.parameters())}
+    frozen = [n for n in every if n not in layers]
+    if not layers:
+        raise ValueError(f"every TT layer of {type(model).__name__} is frozen (requires_grad=False): nothing "
+                         f"for RankAdaptive to adapt; unfreeze the layers it should adapt")
+    if frozen:
+        warnings.warn(f"RankAdaptive leaves {len(frozen)} frozen TT layer(s) at their ranks "
+                      f"({', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''})", stacklevel=3)
+    return layers
+
+
 class RankAdaptive(Reports):
     """The rank-adaptive training hook for a tensorized model.  The loop: ``optimizer.step()``, then
     ``ra.step(loss)`` (as an LR scheduler's step); ``ra.loss(task_loss)`` gives the current stage's objective
@@ -141,10 +159,7 @@ class RankAdaptive(Reports):
                  prox_lr: float = 1e-3, share_allocation: bool = True, penalty: str = "mcp",
                  pull_below: float = 0.15) -> None:
         _check_arguments(tau, gamma, target_ratio, late_stage_at, cut_every, penalty, pull_below, realloc_at)
-        self.layers = tt_layers(model)
-        if not self.layers:
-            raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
-                             f"(model = comera_compile.tensorize(model))")
+        self.layers = _trainable_layers(model)
         self.model, self.tau, self.gamma = model, float(tau), float(gamma)
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
         self.cut_every, self.realloc_at = cut_every, realloc_at
@@ -160,7 +175,7 @@ class RankAdaptive(Reports):
         self._last_loss: float | None = None
         self._loss_ema: float | None = None
         self.dense_params = sum(p.numel() for p in model.parameters()) + sum(
-            m.dense_params() - m.tt_params() for m in self.layers.values())
+            m.dense_params() - m.tt_params() for m in tt_layers(model).values())
         self._view = _dist.view(model, self.layers)   # plain or FSDP2-sharded: per-process gates and masks
         first = next(iter(self.layers.values())).gates[0]
         device = self._view.local(first).device

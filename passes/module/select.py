@@ -1,6 +1,6 @@
-"""tensorize's first two stages: check the options (presets resolved), then choose the layers.
+"""tensorize's second stage: choose the layers.
 
-``check_options`` turns tensorize's arguments into ``Options`` (or raises TensorizeError); ``select_layers``
+After ``check_options`` (options.py) has turned tensorize's arguments into ``Options``, ``select_layers``
 walks the model and returns a ``Selection``: for every dense-looking layer, either a ``Rewrite`` (the TT
 layer's kind, shape and ranks as a TTSpec) or a reason to keep it dense, the groups sharing a weight, and the
 warnings to give.  Both only read the model; nothing is built or swapped here, and every bad request is
@@ -11,46 +11,17 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from comera_compile.layers import TTLayer
+from comera_compile.passes.module.options import (PRESETS, LayerShape, Options, TensorizeError, as_shape,
+                                                  check_options, layer_kind, matches)
 from comera_compile.tt import TTSpec, make_spec
 
 __all__ = ["TensorizeError", "LayerShape", "PRESETS", "TensorizeSummary", "Options", "Rewrite", "Selection",
            "check_options", "select_layers"]
-
-
-class TensorizeError(ValueError):
-    """A tensorize request that cannot be carried out; the model was left untouched."""
-
-
-@dataclass(frozen=True)
-class LayerShape:
-    """Explicit TT shape for a layer: input (or row) modes, output (or column) modes, and optionally its
-    own rank (an int, or one rank per internal bond)."""
-
-    in_modes: tuple[int, ...] | None = None
-    out_modes: tuple[int, ...] | None = None
-    rank: int | tuple[int, ...] | None = None
-
-
-# CoMERA's shapes for the six-encoder (BERT-base sized) model, keyed by (in, out) / (rows, dim).  Only the
-# layers listed are rewritten: position and segment embeddings and the 768 -> 3 classifier stay dense.
-PRESETS: dict[str, dict[str, Any]] = {
-    "comera-six-encoder": {
-        "rank": 30,
-        "shapes": {
-            (768, 768): LayerShape((12, 8, 8), (8, 8, 12)),
-            (768, 3072): LayerShape((12, 8, 8), (12, 16, 16)),
-            (3072, 768): LayerShape((16, 16, 12), (8, 8, 12)),
-            (30522, 768): LayerShape((16, 20, 10, 10), (4, 4, 8, 6), rank=32),
-        },
-        "shaped_only": True,
-    },
-}
 
 
 @dataclass
@@ -70,22 +41,6 @@ class TensorizeSummary:
         lines += [f"  TT     {n} ({k})" for n, k in self.rewritten.items()]
         lines += [f"  dense  {n}: {r}" for n, r in self.kept_dense.items()]
         return "\n".join(lines)
-
-
-@dataclass(frozen=True)
-class Options:
-    """tensorize's arguments, checked, with the preset's rank and shapes folded in."""
-
-    rank: int | Sequence[int]
-    rank_chosen: bool          # the user gave a rank (else the default or the preset's)
-    shapes: dict[Any, Any]
-    include: list[str] | None
-    exclude: list[str]
-    min_features: int
-    init: str
-    d: int | None
-    shaped_only: bool          # only layers with a shape are rewritten (a preset's way)
-    tied: str
 
 
 @dataclass
@@ -117,40 +72,22 @@ _TT_CLASS = {"linear": "TTLinear", "conv1d": "TTLinear", "embedding": "TTEmbeddi
              "embedding_bag": "TTEmbeddingBag"}
 
 
-def _is_conv1d(mod: nn.Module) -> bool:
-    """transformers' Conv1D (GPT-2): a linear map with weight (in, out), y = x @ W + b."""
-    return (type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and isinstance(getattr(mod, "weight", None),
-            torch.Tensor) and mod.weight.dim() == 2)
-
-
-def _kind(mod: nn.Module) -> str | None:
-    if isinstance(mod, TTLayer):
-        return None
-    if isinstance(mod, nn.Linear):
-        return "linear"
-    if isinstance(mod, nn.Embedding):
-        return "embedding"
-    if isinstance(mod, nn.EmbeddingBag):
-        return "embedding_bag"
-    if _is_conv1d(mod):
-        return "conv1d"
-    return None
-
-
 _BASE = {"linear": nn.Linear, "embedding": nn.Embedding, "embedding_bag": nn.EmbeddingBag}
 
 
 def _own_forward(mod: nn.Module, kind: str) -> str | None:
     """The base class whose forward `mod`'s class replaces with one computing something else
-    (transformers' scaled word embeddings and learned position embeddings, MoE routers), or None.
-    A TT layer computes only the base class's forward, so a replaced forward is run once on a small probe
-    (no hooks, no grad) and counts as the base's only where it computes the plain linear map or lookup
-    (Falcon's ``input @ weight.T + bias``); a bag's, or one whose weight is on the meta device, does not."""
+    (transformers' scaled word embeddings and learned position embeddings, MoE routers, LoRA adapters), or
+    None.  A TT layer computes only the base class's forward from the weight and bias, so a class that
+    replaces the forward and holds state of its own (parameters, buffers or submodules besides weight and
+    bias) is not the base; one that holds nothing more is run once on a small probe (no hooks, no grad) and
+    counts as the base's only where it computes the plain linear map or lookup (Falcon's
+    ``input @ weight.T + bias``); a bag's, or one whose weight is on the meta device, does not."""
     base = _BASE.get(kind)
     if base is None or type(mod).forward is base.forward:
         return None
     w, gen = mod.weight, torch.Generator().manual_seed(0)
-    if kind == "embedding_bag" or w.is_meta:
+    if kind == "embedding_bag" or w.is_meta or _own_state(mod):
         return f"nn.{base.__name__}"
     try:   # a different map, output or signature raises: not the base class's forward
         with torch.no_grad():
@@ -166,8 +103,26 @@ def _own_forward(mod: nn.Module, kind: str) -> str | None:
         return f"nn.{base.__name__}"
 
 
+def _own_state(mod: nn.Module) -> list[str]:
+    """What `mod` holds besides a dense layer's weight and bias: its other parameters, buffers, submodules."""
+    return [n for n in (*mod._parameters, *mod._buffers, *mod._modules) if n not in ("weight", "bias")]
+
+
 def _custom_reason(mod: nn.Module, kind: str) -> str:
-    return f"{type(mod).__name__} has its own forward, which a {_TT_CLASS[kind]} would not compute"
+    extra = f" and holds {', '.join(_own_state(mod))}" if _own_state(mod) else ""
+    return f"{type(mod).__name__} has its own forward{extra}, which a {_TT_CLASS[kind]} would not compute"
+
+
+def _weight_reason(mod: nn.Module) -> str | None:
+    """Why the layer's weight cannot be factorized as it stands: computed from other tensors (a
+    parametrization, or the hooks of torch.nn.utils.weight_norm / spectral_norm), or not yet created."""
+    if "weight" not in mod._parameters:
+        how = "parametrized (torch.nn.utils.parametrize)" if hasattr(mod, "parametrizations") else (
+            "computed by a hook (torch.nn.utils.weight_norm or spectral_norm)")
+        return f"its weight is {how}, which a TT layer would drop"
+    if nn.parameter.is_lazy(mod._parameters["weight"]):
+        return "a lazy module whose weight is not created yet (run one forward first)"
+    return None
 
 
 def _dims(mod: nn.Module, kind: str) -> tuple[int, int]:
@@ -189,85 +144,26 @@ def _unsupported_embedding_options(mod: nn.Embedding | nn.EmbeddingBag) -> list[
     return opts
 
 
-def _as_shape(value: Any, where: str) -> LayerShape:
-    if isinstance(value, LayerShape):
-        return value
-    if isinstance(value, Mapping):
-        return LayerShape(**value)
-    if isinstance(value, Sequence) and len(value) == 2:
-        return LayerShape(tuple(value[0]), tuple(value[1]))
-    raise TensorizeError(f"shapes[{where!r}] must be a LayerShape, a dict of its fields, or a pair "
-                         f"(in_modes, out_modes); got {value!r}")
-
-
-def _find_shape(shapes: Mapping, name: str, dims: tuple[int, int]) -> LayerShape | None:
+def _find_shape(shapes: Mapping, name: str, dims: tuple[int, int]) -> tuple[Any, LayerShape | None]:
+    """The key of `shapes` that gives this layer its shape (its dims, else the first name pattern it
+    matches), and the shape; (None, None) where none does."""
     if dims in shapes:
-        return _as_shape(shapes[dims], str(dims))
+        return dims, as_shape(shapes[dims], str(dims))
     for key, value in shapes.items():
         if isinstance(key, str) and fnmatch.fnmatchcase(name, key):
-            return _as_shape(value, key)
-    return None
+            return key, as_shape(value, key)
+    return None, None
 
 
-def _matches(name: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
-def _as_patterns(value: str | Iterable[str] | None, label: str) -> list[str] | None:
-    if value is None:
-        return None
-    pats = [value] if isinstance(value, str) else list(value)
-    if not all(isinstance(p, str) for p in pats):
-        raise TensorizeError(f"{label} takes module-name patterns (strings, fnmatch style such as "
-                             f"'layers.*.ffn_up'); got {value!r}")
-    return pats
-
-
-def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Mapping[Any, Any] | None,
-                  include: str | Iterable[str] | None, exclude: str | Iterable[str] | None, min_features: int,
-                  init: str, d: int | None, preset: str | None, tied: str) -> Options:
-    """tensorize's arguments checked against each other and the model (every include / exclude pattern
-    must name a module), the preset's rank and shapes folded in."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"tensorize takes an nn.Module, got {type(model).__name__}")
-    shaped_only = False
-    rank_chosen = rank is not None
-    if preset is not None:
-        if preset not in PRESETS:
-            raise TensorizeError(f"unknown preset {preset!r}; available: {sorted(PRESETS)}")
-        p = PRESETS[preset]
-        rank = p["rank"] if rank is None else rank
-        shapes = {**p["shapes"], **(shapes or {})}
-        shaped_only = p.get("shaped_only", False)
-    rank = 30 if rank is None else rank
-    if isinstance(rank, bool) or not isinstance(rank, (int, Sequence)):
-        raise TensorizeError(f"rank must be a positive int or a list of ints, got {rank!r}")
-    if isinstance(rank, int) and rank <= 0:
-        raise TensorizeError(f"rank must be a positive integer, got {rank}")
-    if init not in ("random", "svd"):
-        raise TensorizeError(f"init must be 'random' or 'svd', got {init!r}")
-    if tied not in ("keep", "untie"):
-        raise TensorizeError(f"tied must be 'keep' or 'untie', got {tied!r}")
-    include_p = _as_patterns(include, "include")
-    exclude_p = _as_patterns(exclude, "exclude") or []
-
-    all_names = [n for n, _ in model.named_modules() if n]
-    modules = dict(model.named_modules())
-    for pats, label in ((include_p or [], "include"), (exclude_p, "exclude")):
-        for p in pats:
-            hits = [n for n in all_names if fnmatch.fnmatchcase(n, p)]
-            if not hits:
-                sample = ", ".join(all_names[:8]) + (", ..." if len(all_names) > 8 else "")
-                raise TensorizeError(f"{label} pattern {p!r} matches no module of {type(model).__name__}; "
-                                     f"module names look like: {sample}")
-            if label == "include" and p in modules and _kind(modules[p]) is None:
-                m = modules[p]
-                what = "already a TT layer" if isinstance(m, TTLayer) else "not a layer tensorize can rewrite"
-                raise TensorizeError(f"include names {p!r}, a {type(m).__name__}: {what}; tensorize rewrites "
-                                     f"nn.Linear, nn.Embedding, nn.EmbeddingBag and transformers' Conv1D")
-    return Options(rank=rank, rank_chosen=rank_chosen, shapes=dict(shapes or {}), include=include_p,
-                   exclude=exclude_p, min_features=min_features, init=init, d=d, shaped_only=shaped_only,
-                   tied=tied)
+def _unused_shapes(asked: Sequence[Any], used: set, seen: dict[str, tuple[int, int]]) -> None:
+    """Raise where a key of the user's shapes found no layer (a typo, or (out, in) for (in, out)), as an
+    include pattern that matches nothing is an error."""
+    unused = [key for key in asked if key not in used]
+    if unused:
+        layers = "; ".join(f"{n} {d}" for n, d in list(seen.items())[:8]) + ("; ..." if len(seen) > 8 else "")
+        raise TensorizeError(f"shapes key(s) {unused} match no layer tensorize rewrites: a key is a module-name "
+                             f"pattern or (in_features, out_features) ((num_embeddings, embedding_dim) for an "
+                             f"embedding). The layers are: {layers}")
 
 
 def _spec(mod: nn.Module, kind: str, rank: int | Sequence[int], shape: LayerShape | None, d: int | None,
@@ -291,14 +187,20 @@ def _keep_dense_reason(model: nn.Module, name: str, mod: nn.Module, kind: str, s
     explicit = opts.include is not None and name in opts.include
     if id(mod) in inside_mha:
         return "out_proj of nn.MultiheadAttention, which reads its weight directly"
-    if _matches(name, opts.exclude):
+    if matches(name, opts.exclude):
         return "excluded"
-    if opts.include is not None and not _matches(name, opts.include):
+    if opts.include is not None and not matches(name, opts.include):
         return "not included"
+    weight_reason = _weight_reason(mod)
+    if weight_reason is not None and explicit:
+        raise TensorizeError(f"cannot tensorize {name!r}: {weight_reason}; exclude it")
+    lazy = nn.parameter.is_lazy(mod._parameters.get("weight"))
     if opts.shaped_only and shape is None:
         return f"no shape for {dims} in the preset"
-    if shape is None and min(dims) < opts.min_features:
+    if shape is None and min(dims) < opts.min_features and not lazy:
         return f"smaller than min_features={opts.min_features}"
+    if weight_reason is not None:
+        return weight_reason
     base = _own_forward(mod, kind)
     if base is not None:
         if explicit:
@@ -314,7 +216,7 @@ def _keep_dense_reason(model: nn.Module, name: str, mod: nn.Module, kind: str, s
         return f"uses {', '.join(unsupported)}, which {tt_cls} does not support"
     if len(owners.get(id(mod.weight), ())) > 1:
         sharers = sorted(n for n2, m2 in model.named_modules() if id(m2) in owners[id(mod.weight)]
-                         for n in [n2] if n)
+                         for n in [n2 or "the model itself"])
         tied_groups.append(" and ".join(sharers))
         if opts.tied == "keep":
             return f"weight tied with {', '.join(s for s in sharers if s != name)}"
@@ -338,18 +240,23 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     tied_groups: list[str] = []
     grown: list[str] = []  # kept dense: the default rank would have made them bigger
     bigger: list[str] = []  # rewritten at the rank or shape asked for, though bigger than dense
-    custom: list[str] = []  # kept dense: a subclass with its own forward
+    custom: list[str] = []  # kept dense: a subclass with its own forward, or a weight computed by hooks
+    used_shapes: set = set()
+    seen: dict[str, tuple[int, int]] = {}
     for name, mod in model.named_modules():
-        kind = _kind(mod)
+        kind = layer_kind(mod)
         if kind is None:
             continue
-        dims = _dims(mod, kind)
-        shape = _find_shape(opts.shapes, name, dims)
+        dims = seen[name] = _dims(mod, kind)
+        key, shape = _find_shape(opts.shapes, name, dims)
+        used_shapes.add(key)
         reason = _keep_dense_reason(model, name, mod, kind, shape, opts, inside_mha, owners, tied_groups)
         if reason is not None:
             summary.kept_dense[name] = reason
             if reason == _custom_reason(mod, kind):
                 custom.append(f"{name} ({type(mod).__name__})")
+            elif reason == _weight_reason(mod):
+                custom.append(f"{name} ({type(mod).__name__}: {reason.split(', which')[0]})")
             continue
         rank = shape.rank if shape is not None and shape.rank is not None else opts.rank
         spec = _spec(mod, kind, rank, shape, opts.d, name)
@@ -366,6 +273,7 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
         for n in names_of[id(mod)]:
             summary.rewritten[n] = f"{_TT_CLASS[kind]} (from {type(mod).__name__})"
 
+    _unused_shapes(opts.asked_shapes, used_shapes, seen)
     if opts.include is not None and not rewrites:
         raise TensorizeError(f"include {opts.include} selects no layer that can be tensorized "
                              f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
@@ -392,8 +300,9 @@ def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grow
                    f"have no fewer parameters ({'; '.join(grown[:4])}{'; ...' if len(grown) > 4 else ''}). "
                    f"Pass a smaller rank to tensorize them.")
     if custom:
-        out.append(f"tensorize: kept {len(custom)} layer(s) dense whose class has its own forward, which a TT "
-                   f"layer would not compute ({'; '.join(custom[:4])}{'; ...' if len(custom) > 4 else ''}).")
+        out.append(f"tensorize: kept {len(custom)} layer(s) dense whose class has its own forward, or whose "
+                   f"weight is not a plain parameter, which a TT layer would not compute "
+                   f"({'; '.join(custom[:4])}{'; ...' if len(custom) > 4 else ''}).")
     if bigger:
         out.append(f"tensorize: {len(bigger)} layer(s) are no smaller as TT at the rank or shape asked for "
                    f"({'; '.join(bigger[:4])}{'; ...' if len(bigger) > 4 else ''}).")

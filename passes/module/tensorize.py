@@ -63,11 +63,11 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     """
     options = check_options(model, rank, shapes, include, exclude, min_features, init, d, preset, tied)
     selection = select_layers(model, options)
-    built = build_layers(selection, options)
+    built = build_layers(selection, options, share_hooks=inplace)
     for message in selection.warnings:
         warnings.warn(message, stacklevel=2)
     # Nothing below can fail on bad input: all replacements are built.
-    summary = selection.summary
+    summary = _merged(getattr(model, "comera_summary", None), selection.summary)
     whole = next((new for old, new in built if old is model), None)
     if whole is not None:  # the model is itself a dense layer: the TT layer is the result
         whole.comera_summary = summary
@@ -99,14 +99,42 @@ def _build(rewrite: Rewrite, init: str, d: int | None) -> TTLayer:
         raise TensorizeError(f"cannot tensorize {rewrite.name!r} ({type(mod).__name__}): {e}") from e
 
 
-def build_layers(selection: Selection, options: Options) -> list[tuple[nn.Module, TTLayer]]:
-    """The TT layer of every rewrite, paired with the dense module it replaces; the model is not touched."""
+def build_layers(selection: Selection, options: Options, share_hooks: bool = False) -> list[tuple[nn.Module, TTLayer]]:
+    """The TT layer of every rewrite, paired with the dense module it replaces; the model is not touched.
+    Each TT layer's parameters require grad as the dense ones do (a frozen layer stays frozen), and it runs
+    the dense module's forward and backward hooks: their own dicts (share_hooks, for inplace: the user's
+    handles still remove them) or copies (a copy of the model, as deepcopy gives the other modules)."""
     built = []
     for rewrite in selection.rewrites:
         new = _build(rewrite, options.init, options.d)
         new.comera_name = rewrite.name   # its profiler ranges' name
-        built.append((rewrite.module, new))
+        old = rewrite.module
+        for p in (*new.cores, *new.gates):
+            p.requires_grad_(old.weight.requires_grad)
+        if getattr(new, "bias", None) is not None:
+            new.bias.requires_grad_(old.bias.requires_grad)
+        for attr in _HOOKS:
+            hooks = getattr(old, attr, None)
+            if hooks:
+                setattr(new, attr, hooks if share_hooks else copy.copy(hooks))
+        built.append((old, new))
     return built
+
+
+# nn.Module's dicts of forward and backward hooks (and the flags they are registered with)
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_is_full_backward_hook")
+
+
+def _merged(before: TensorizeSummary | None, now: TensorizeSummary) -> TensorizeSummary:
+    """The summary of a tensorize call over a model tensorized before: the earlier rewrites kept (densify
+    reads them: which layers were Conv1D), the untied groups of both."""
+    if before is None:
+        return now
+    now.rewritten = {**before.rewritten, **now.rewritten}
+    now.kept_dense = {n: r for n, r in now.kept_dense.items() if n not in now.rewritten}
+    now.untied = sorted({*before.untied, *now.untied})
+    return now
 
 
 def swap_in(model: nn.Module, built: list[tuple[nn.Module, TTLayer]], names_of: dict[int, list[str]],
