@@ -126,7 +126,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
 
     rank_adaptive: a RankAdaptive whose ``step(loss)`` runs after the optimizer step and zero_grad, with the
     detached loss, eagerly: outside every compiled or replayed region, since it may re-allocate the cores
-    (``optimizer`` is attached to it if it has none).
+    (``optimizer`` is attached to it if it has none).  A step built on a DistributedDataParallel wrapper is
+    built again after a re-allocation (``ra.on_reallocate``): its next call is an error that says so.
 
     micro_batches (gradient accumulation): each call's batch is split along its first dimension into this
     many micro-batches, run forward and backward one after another with their gradients added, then one
@@ -274,6 +275,12 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
 
     def step(*args: Any, **kw: Any) -> torch.Tensor:
         nonlocal unchecked
+        if step.stale:
+            raise RuntimeError(
+                "compile_step: RankAdaptive re-allocated the TT cores (new Parameters), and the "
+                "DistributedDataParallel wrapper this step was built on still holds the old ones: build the step "
+                "again on a new wrapper after each re-allocation, e.g. in ra.on_reallocate(lambda ra: ...): "
+                "step = cc.compile_step(DistributedDataParallel(model), ...)")
         if loss_fn is not None and not args:
             raise TypeError("step(*inputs, target, **kwargs): the last positional argument is loss_fn's target, and "
                             "this call has none; pass it, or build the step with loss_fn=None where the model "
@@ -296,13 +303,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                       "or SGD with fused=True), or change it less often")
         step.last_call_compiled = _compile_marks(step.graph, counters) != before
         if rank_adaptive is not None and not step.skipped:   # eager, after every compiled part of the step
-            rank_adaptive.step(loss)
+            step.stale = rank_adaptive.step(loss) and isinstance(model, torch.nn.parallel.DistributedDataParallel)
         return loss
 
     step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
     step.cuda_graphs = chosen if on_cuda or whole else None
     step.last_call_compiled = False
-    step.scaler, step.skipped = scaler, False
+    step.scaler, step.skipped, step.stale = scaler, False, False
     return step
 
 

@@ -394,3 +394,132 @@ def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process
         opt.zero_grad()
     for p, q in zip(results[0]["params"], model.parameters()):
         assert (p - q.detach()).norm() <= 1e-4 * q.norm() + 1e-6
+
+
+LATE_STEPS, LATE_SAVE = 40, 29
+
+
+def _late_stage_worker(rank: int, world: int, port: int, out: str, mode: str, ckpt: str) -> None:
+    """DDP with RankAdaptive's late stage, each process fed its own loss of very different data (rank 0's rows
+    one class, rank 1's random labels), so the processes' own loss averages differ; half of every bond is
+    switched off at step 3, so the check at step 5 cuts.  mode "full" trains all
+    steps; "save" stops at LATE_SAVE and saves through the DDP wrapper; "load" loads through a wrapper built on
+    a fresh model (the callback rebuilds it: no rewrap by hand) and trains the rest."""
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        torch.manual_seed(0)
+        dense = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.Tanh(), nn.Linear(64, 5))
+        model = cc.tensorize(dense, rank=6, min_features=32)
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5, target_ratio=0.5, late_stage_at=12,
+                             target_loss=0.7)
+        ddp = nn.parallel.DistributedDataParallel(model)
+
+        def rewrap(_: cc.RankAdaptive) -> None:
+            nonlocal ddp
+            ddp = nn.parallel.DistributedDataParallel(model)
+
+        ra.on_reallocate(rewrap)
+        if mode == "load":
+            cc.load_checkpoint(ckpt, ddp, opt, ra)
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)) for _ in range(LATE_STEPS)]
+        checks = []
+        for i in range(ra.steps, LATE_SAVE if mode == "save" else LATE_STEPS):
+            x, y = data[i]
+            x, y = x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]
+            if rank == 0:
+                y = torch.zeros_like(y)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 3:   # half of every bond switched off (the same on both): the first check re-allocates
+                with torch.no_grad():
+                    for layer in ra.layers.values():
+                        for gate in layer.gates:
+                            gate[: gate.numel() // 2] = 0.0
+            ra.step(loss)
+            if ra.steps % 5 == 0:
+                checks.append((ra.steps, ra._loss_ema, [p.detach().clone() for p in model.parameters()]))
+        if mode == "save":
+            cc.save_checkpoint(ckpt, ddp, opt, ra)
+        torch.save({"checks": checks, "cuts": ra.cuts, "ranks": ra.ranks(),
+                    "params": [p.detach().clone() for p in model.parameters()]}, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_the_late_stage_decides_on_the_processes_mean_loss_and_resumes_to_the_bit(tmp_path):
+    """Processes whose own losses differ take the late stage's decisions on their mean (the whole batch's loss
+    average), so the replicas hold the same gates at every check, not rank 0's masks over another process's
+    gates; a checkpoint saved and loaded through the DDP wrapper (its layers named as in the bare model) at a
+    point where a cut has happened resumes with the callback rebuilding the wrapper, to the bit."""
+    ckpt = str(tmp_path / "ckpt")
+    for mode in ("full", "save", "load"):
+        mp.spawn(_late_stage_worker, args=(2, _free_port(), str(tmp_path / mode), mode, ckpt), nprocs=2, join=True)
+    full, first, rest = ([torch.load(tmp_path / f"{m}.{r}") for r in range(2)] for m in ("full", "save", "load"))
+    assert full[0]["cuts"] >= 1 and first[0]["cuts"] >= 1   # the checkpoint holds cut ranks
+    for (step, ema0, params0), (_, ema1, params1) in zip(full[0]["checks"], full[1]["checks"]):
+        assert ema0 == ema1, step
+        assert all(torch.equal(a, b) for a, b in zip(params0, params1)), step
+    assert rest[0]["ranks"] == full[0]["ranks"]
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(rest[r]["params"], full[r]["params"]))
+
+
+def _compile_step_cut_worker(rank: int, world: int, port: int, out: str) -> None:
+    """cc.compile_step(DDP(model), ..., rank_adaptive=ra) over a re-allocation at step 5: kept as it is, its
+    next call is compile_step's error; rebuilt in ra.on_reallocate as the README shows, it trains on with the
+    replicas identical."""
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        result: dict = {}
+        for rebuild in (False, True):
+            model = _model()
+            opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+            ra = cc.RankAdaptive(model, optimizer=opt, cut_every=5)
+
+            def make() -> object:
+                return cc.compile_step(nn.parallel.DistributedDataParallel(model), nn.functional.cross_entropy,
+                                       opt, rank_adaptive=ra)
+
+            step = make()
+            if rebuild:
+                def again(_: cc.RankAdaptive) -> None:
+                    nonlocal step
+                    step = make()
+
+                ra.on_reallocate(again)
+            calls = []
+
+            def switch_off(*_: object) -> None:   # after the 5th optimizer step (the check next): half of every bond
+                calls.append(1)
+                if len(calls) == 5:
+                    for layer in ra.layers.values():
+                        for gate in layer.gates:
+                            gate.detach()[: gate.numel() // 2] = 0.0
+
+            opt.register_step_post_hook(switch_off)
+            g = torch.Generator().manual_seed(1)
+            try:
+                for i in range(8):
+                    x, y = torch.randn(16, 64, generator=g), torch.randint(0, 5, (16,), generator=g)
+                    step(x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8])
+                result[rebuild] = {"cuts": ra.cuts, "params": [p.detach().clone() for p in model.parameters()]}
+            except RuntimeError as e:
+                result[rebuild] = {"cuts": ra.cuts, "error": str(e)}
+            torch._dynamo.reset()
+        torch.save(result, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_compile_step_on_a_ddp_wrapper_says_to_rebuild_it_after_a_reallocation(tmp_path):
+    out = str(tmp_path / "cut")
+    mp.spawn(_compile_step_cut_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    for r in (a, b):
+        assert r[False]["cuts"] == 1 and "build the step again on a new wrapper" in r[False]["error"]
+        assert r[True]["cuts"] >= 1 and "error" not in r[True], r[True].get("error")
+    assert all(torch.equal(p, q) for p, q in zip(a[True]["params"], b[True]["params"]))

@@ -11,6 +11,7 @@ from torch import nn
 from ..layers import tt_layers
 from ..optim_state import replace
 from .fsdp import unsharded
+from .replicas import replica_mean
 
 __all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_ranks", "resize_ranks"]
 
@@ -34,10 +35,35 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     else:
         state = {_MODEL: get_model_state_dict(model)}
     if ra is not None:  # kept whole (its masks have the checkpoint's shapes, which the loader reads first)
+        # One copy is kept for all processes: the one every process holds once the loss average is the
+        # processes' mean (the late stage's decisions are taken on it).
+        ra._loss_ema = replica_mean(ra._loss_ema, ra._penalty_t.device)
         buf = io.BytesIO()
         torch.save(ra.state_dict(), buf)
         state[_RA] = buf.getvalue()
     dcp.save(state, checkpoint_id=path)
+
+
+_WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def _layers(model: nn.Module) -> dict[str, Any]:
+    """`model`'s TT layers by the names torch's get_model_state_dict gives their parameters: a wrapper's own
+    name (DistributedDataParallel's ``module``, torch.compile's ``_orig_mod``, activation checkpointing's)
+    left out, so a checkpoint saved through a wrapper loads into the bare model and back."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    out = {}
+    for name, layer in tt_layers(model).items():
+        parts, parent = [], model
+        for part in name.split(".") if name else []:
+            wrapper = part in _WRAPPERS or (part == "module" and isinstance(parent, (DistributedDataParallel,
+                                                                                     DataParallel)))
+            parent = parent.get_submodule(part)
+            if not wrapper:
+                parts.append(part)
+        out[".".join(parts)] = layer
+    return out
 
 
 def checkpoint_ranks(path: str, model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -47,7 +73,7 @@ def checkpoint_ranks(path: str, model: nn.Module) -> dict[str, tuple[int, ...]]:
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out = {}
-    for name, layer in tt_layers(model).items():
+    for name, layer in _layers(model).items():
         shapes = []
         for k in range(len(layer.cores)):
             key = f"{_MODEL}.{name}.cores.{k}"
@@ -64,8 +90,9 @@ def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
                  optimizer: torch.optim.Optimizer | None = None) -> None:
     """Allocate each named TT layer at the given ranks (no larger than it has now) by keeping its leading
     rank slices, FSDP2-sharded or not; the optimizer, if given, holds the new Parameters.  A model about to
-    load a checkpoint taken after cuts needs its shapes first; the values come from the checkpoint."""
-    layers = tt_layers(model)
+    load a checkpoint taken after cuts needs its shapes first; the values come from the checkpoint.  Layers are
+    named as in torch's get_model_state_dict (without the names of DDP's and torch.compile's wrappers)."""
+    layers = _layers(model)
     if optimizer is not None and optimizer.state:
         raise ValueError("give load_checkpoint a fresh optimizer (no state yet): its state comes from the "
                          "checkpoint, and a stateful one may hold parameters the checkpoint's ranks replace")
@@ -89,14 +116,17 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Restore what ``save_checkpoint`` saved, at any world size (call it on every process, after
     ``fully_shard`` and with a fresh optimizer built on the model's parameters).  TT layers are first
     re-allocated at the checkpoint's ranks (a model built at larger ranks is cut to them; one at smaller
-    ranks is an error), then the model, optimizer and ``RankAdaptive`` state are loaded in place."""
+    ranks is an error), then the model, optimizer and ``RankAdaptive`` state are loaded in place; where that
+    cut the layers, ``ra``'s ``on_reallocate`` callbacks run, as after a re-allocation in training."""
     import io
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
 
+    before = {name: layer.spec.ranks for name, layer in _layers(model).items()}
     resize_ranks(model, checkpoint_ranks(path, model), optimizer)
+    resized = any(layer.spec.ranks != before[name] for name, layer in _layers(model).items())
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {_MODEL: model_sd, _OPTIM: optim_sd}
@@ -113,3 +143,5 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         if not state[_RA]:
             raise ValueError(f"the checkpoint at {path} holds no RankAdaptive state (saved without ra=)")
         ra.load_state_dict(torch.load(io.BytesIO(state[_RA]), weights_only=True))
+        if resized:   # new, smaller Parameters: what ra.on_reallocate(...) rebuilds (a DDP wrapper) is stale
+            ra._reallocated()

@@ -1,5 +1,6 @@
 """Replicas under torch.distributed (DDP, or FSDP2's whole-tensor work): every process must make RankAdaptive's
-decisions on the same numbers, so rank 0's TT parameters and masks are taken everywhere before a cut."""
+decisions on the same numbers, so rank 0's TT parameters and masks are taken everywhere before a cut, and the
+late stage weighs the loss averaged over the processes (replica_mean), not each process's own."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from .fsdp import is_sharded
 
-__all__ = ["distributed", "synchronize", "agree_on_masks"]
+__all__ = ["distributed", "synchronize", "agree_on_masks", "replica_mean"]
 
 
 def distributed() -> bool:
@@ -32,10 +33,25 @@ def _copy_masks(masks: dict[str, list[torch.Tensor]], flat: torch.Tensor, thresh
             offset += m.numel()
 
 
+def replica_mean(value: float | None, device: torch.device) -> float | None:
+    """The mean of `value` over the processes that have one (every process calls it; None where none has).
+    RankAdaptive's loss average is linear in the losses, so the mean of the processes' averages is the average
+    of the global losses: the late stage decides on the whole batch's loss, the same on every process."""
+    if not distributed():
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([0.0 if value is None else value, float(value is not None)], dtype=torch.float64,
+                     device=device)
+    dist.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] > 0 else None
+
+
 @torch.no_grad()
 def agree_on_masks(layers: dict[str, Any], masks: dict[str, list[torch.Tensor]]) -> bool:
-    """Every process takes rank 0's masks (its decision of what to switch off) and zeroes the gates they
-    switch off.  Returns whether anything was exchanged (several processes)."""
+    """Every process takes rank 0's masks (its decision of what to switch off) and gates, the gates they
+    switch off zeroed: a process whose own decision differed (it pruned a slice rank 0 kept) holds rank 0's
+    model again.  Returns whether anything was exchanged (several processes)."""
     if not distributed():
         return False
     import torch.distributed as dist
@@ -43,9 +59,15 @@ def agree_on_masks(layers: dict[str, Any], masks: dict[str, list[torch.Tensor]])
     flat = _flat_masks(masks, torch.uint8)
     dist.broadcast(flat, 0)
     _copy_masks(masks, flat, 0)
+    gates = [g for name in masks for g in layers[name].gates]
+    values = torch.cat([g.detach().reshape(-1) for g in gates])
+    dist.broadcast(values, 0)
+    offset = 0
     for name, ms in masks.items():
         for k, m in enumerate(ms):
-            layers[name].gates[k].mul_(m.to(layers[name].gates[k].dtype))
+            g = layers[name].gates[k]
+            g.copy_(values[offset:offset + g.numel()].reshape(g.shape) * m.to(g.dtype))
+            offset += g.numel()
     return True
 
 

@@ -274,7 +274,7 @@ class RankAdaptive(Reports):
             view.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
         self._penalty_t.copy_(self.penalty())
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
-            self.stage = "late"
+            self.stage, self._loss_ema = "late", _dist.replica_mean(self._loss_ema, self._penalty_t.device)
             self.size_target = self.target_ratio * self.size()
             self.loss_target = self.target_loss if self.target_loss is not None else (
                 self._loss_ema if self._loss_ema is not None else 0.0)
@@ -299,6 +299,7 @@ class RankAdaptive(Reports):
             check_finite(self.layers, self._norms, self.steps)
             if _dist.synchronize(self.model, self.layers, alloc.masks):
                 alloc.update()
+                self._loss_ema = _dist.replica_mean(self._loss_ema, self._penalty_t.device)
             for name, layer in self.layers.items():
                 canonicalize(layer)
                 replace(self.optimizer, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
