@@ -411,3 +411,47 @@ def test_unboxed_fallback_gives_the_boxed_path_s_gradients_bit_for_bit(op, monke
         tempo_fn(leaf).backward(upstream.clone())
         grads[boxed] = leaf.grad
     assert torch.equal(grads[True], grads[False])
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_dropout", "dropout", "layer_norm", "attention"])
+@pytest.mark.parametrize("boxed", [True, False])
+def test_a_double_backward_through_a_tempo_op_is_an_error_not_a_wrong_gradient(op, boxed, monkeypatch):
+    """The Tempo ops compute first derivatives only.  A gradient penalty (create_graph=True) through one is an
+    error, boxed or not, with autograd.grad's inputs= or without, where torch's once_differentiable let the
+    boxed backward and autograd.grad(inputs=w) return wrong second derivatives (2.8e2 off for GELU)."""
+    import comera_compile.ops.buffers as buffers
+
+    monkeypatch.setattr(buffers, "boxing_supported", lambda: boxed and boxing_supported())
+    fns = {**{k: f for k, (f, _) in TEMPO_BOXED.items()}, "layer_norm": lambda t: layer_norm(t, (8,)),
+           "attention": lambda t: softmax_dropout_matmul(t.view(2, 4, 4), t.view(2, 4, 4), 0.3,
+                                                        generator=torch.Generator().manual_seed(2))}
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, 8, dtype=torch.float64, requires_grad=True)
+    for inputs in ([x], [x, w]):
+        (gx, *_) = torch.autograd.grad(fns[op](x @ w).square().sum(), [x, w], create_graph=False)
+        assert gx.shape == x.shape   # first derivatives: as before
+        with pytest.raises(RuntimeError, match="double backward .* first derivatives only"):
+            grads = torch.autograd.grad(fns[op](x @ w).square().sum(), inputs, create_graph=True)
+            (grads[0].norm() - 1).square().backward()
+
+
+def test_attention_with_scores_broadcast_against_v_and_under_autocast_matches_the_unfused_ops():
+    """Scores shared across the batch (a learned or positional attention, (1, H, S, S) against v's (B, H, S, D))
+    give the unfused ops' gradients with the same mask; under autocast the op runs the unfused ops, whose
+    dtypes autocast chooses (float32 scores and v with a bfloat16 matmul crashed the fused backward)."""
+    torch.manual_seed(0)
+    s = torch.randn(1, 3, 9, 9, dtype=torch.float64)
+    v = torch.randn(2, 3, 9, 5, dtype=torch.float64)
+    g = torch.randn(2, 3, 9, 5, dtype=torch.float64)
+    got = grads_of(lambda a, b: softmax_dropout_matmul(a, b, 0.2, generator=torch.Generator().manual_seed(2)),
+                   [s, v], g)
+    ref = grads_of(lambda a, b: same_mask_dropout(0.2, 2)(torch.softmax(a, -1)) @ b, [s, v], g)
+    for a, b in zip(got, ref):
+        close(a, b, torch.float64)
+    s32, v32 = s.float().requires_grad_(), v.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = softmax_dropout_matmul(s32, v32, 0.2, generator=torch.Generator().manual_seed(2))
+        want = same_mask_dropout(0.2, 2)(torch.softmax(s32, -1)) @ v32
+    assert out.dtype == want.dtype == torch.bfloat16 and torch.equal(out, want)
+    out.float().sum().backward()
+    assert s32.grad is not None and v32.grad is not None

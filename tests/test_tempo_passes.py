@@ -249,3 +249,52 @@ def test_tempo_modules_recognises_transformers_gelu():
     assert [m.approximate for m in model[:2]] == ["none", "tanh"]
     with pytest.raises(TypeError, match="nn.Module"):
         tempo_modules(lambda x: x)
+
+
+def test_outputs_written_through_a_view_or_setitem_stay_torch_s_ops_under_memory_true():
+    """A GELU or LayerNorm output written in place through an item assignment (h[:, 0] = 0) or a view
+    (n[:, :2].mul_(2)) stays torch's op under the backend's memory=True, as one written directly does (the
+    Tempo op keeps its output for backward, which autograd refused as modified in place): the gradients are
+    eager's (float64)."""
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x):
+            h = F.gelu(self.lin(x))
+            h[:, 0] = 0.0
+            n = F.layer_norm(self.lin(x), (6,))
+            n[:, :2].mul_(2.0)
+            return h * n
+
+    torch.manual_seed(0)
+    model = Writes().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    g = torch.randn(5, 6, dtype=torch.float64)
+    ref = grads_of(lambda a: model(a), [x], g) + [model.lin.weight.grad.clone()]
+    model.zero_grad()
+    compiled = torch.compile(model, backend="comera", options={"memory": True})
+    got = grads_of(lambda a: compiled(a), [x], g) + [model.lin.weight.grad.clone()]
+    for a, b in zip(got, ref):
+        close(a, b, torch.float64)
+    torch._dynamo.reset()
+
+
+def test_a_softmax_dtype_given_by_position_keeps_the_softmax():
+    """torch.softmax(x, dim, dtype), x.softmax(dim, dtype) and F.softmax(x, dim, _stacklevel, dtype) keep their
+    dtype: the attention fusion, which would run the softmax in the scores' dtype, leaves them."""
+
+    def f(x, v):
+        a = F.dropout(torch.softmax(x, -1, torch.float64), 0.1) @ v
+        b = F.dropout(x.softmax(-1, torch.float64), 0.1) @ v
+        c = F.dropout(F.softmax(x, -1, 3, torch.float64), 0.1) @ v
+        return a + b + c
+
+    gm = torch.fx.symbolic_trace(f)
+    tempo_graph(gm)
+    assert sum("dtype" in why for why in gm.tempo_summary.kept.values()) == 3, gm.tempo_summary.kept
+    assert "attention" not in gm.tempo_summary.counts()
+    x, v = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.float64)
+    assert gm(x, v).dtype == torch.float64

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from comera_compile.ops.bit_dropout import check_p, dropout, dropout_into
 from comera_compile.ops.bits import unpack
-from comera_compile.ops.buffers import FLOATS, Scratch
+from comera_compile.ops.buffers import FLOATS, Scratch, first_order
 
 __all__ = ["softmax_dropout_matmul"]
 
@@ -31,7 +30,7 @@ class _SoftmaxDropoutMatmul(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         probs, bits, v = ctx.saved_tensors
         scale = 1.0 / (1.0 - ctx.p)
@@ -46,6 +45,8 @@ class _SoftmaxDropoutMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_dropped = torch.matmul(grad, v.transpose(-1, -2))
             d_dropped.mul_(scale).mul_(keep)
+            if d_dropped.shape != probs.shape:   # scores broadcast against v: the softmax backward is linear
+                d_dropped = d_dropped.sum_to_size(probs.shape)
             d_scores = torch._softmax_backward_data(d_dropped, probs, -1, probs.dtype)
         return d_scores, d_v, None, None
 
@@ -56,7 +57,7 @@ def softmax_dropout_matmul(scores: torch.Tensor, v: torch.Tensor, p: float = 0.1
     p = check_p(p)
     last = dim in (-1, scores.dim() - 1)
     fusable = (training and 0.0 < p < 1.0 and last and scores.dtype in FLOATS and v.dtype == scores.dtype
-               and v.dim() >= 2 and scores.dim() >= 2)
+               and v.dim() >= 2 and scores.dim() >= 2 and not torch.is_autocast_enabled(scores.device.type))
     if not fusable or not (torch.is_grad_enabled() and (scores.requires_grad or v.requires_grad)):
         return torch.matmul(dropout(torch.softmax(scores, dim=dim), p, training, generator=generator), v)
     return _SoftmaxDropoutMatmul.apply(scores, v, p, generator)

@@ -8,14 +8,14 @@ into the incoming gradient's buffer when nothing else can see that buffer.
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Callable, Iterator
 
 import torch
-from torch.autograd.function import once_differentiable
 
 __all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
-           "new_buffer_backward", "boxed_variant"]
+           "new_buffer_backward", "boxed_variant", "first_order"]
 
 
 FLOATS = (torch.float32, torch.float64)
@@ -148,11 +148,31 @@ def may_box() -> bool:
     return not (ca is not None and getattr(ca, "compiled_autograd_enabled", False))
 
 
+def first_order(backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """A Tempo op's backward, which computes first derivatives only (from saved outputs and bit masks, with
+    no graph of its own): under create_graph=True (a double backward, such as a gradient penalty) it raises.
+    torch's once_differentiable would not: it misses gradients given as a list (the boxed backward), and
+    ``autograd.grad(..., inputs=...)`` can skip its error node, leaving a gradient silently wrong."""
+
+    @functools.wraps(backward)
+    def checked(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "a double backward (create_graph=True, e.g. a gradient penalty) reached one of comera's memory-"
+                "saving ops (GELU, LayerNorm, dropout or attention from memory=True or cc.tempo), which compute "
+                "first derivatives only: compute that loss on the model without them (no memory=True, or the "
+                "model before cc.tempo)")
+        with torch.no_grad():
+            return backward(ctx, *grads)
+
+    return checked
+
+
 def new_buffer_backward(backward_into: Callable[..., tuple]) -> staticmethod:
     """An autograd Function's backward from ``backward_into(ctx, grad, out)``, which writes the input gradient
     into ``out``: here a new buffer (the gradient arrives unboxed, so its buffer cannot be claimed)."""
 
-    @once_differentiable
+    @first_order
     def backward(ctx, grad: torch.Tensor) -> tuple:
         grad = grad.contiguous()
         return backward_into(ctx, grad, torch.empty_like(grad))
@@ -164,7 +184,7 @@ def boxed_variant(function: type, backward_into: Callable[..., tuple]) -> type:
     """``function`` taking its gradient boxed: ``backward_into`` writes the input gradient into the incoming
     gradient's own buffer when nothing else holds it (take_grad), else into a new one."""
 
-    @once_differentiable
+    @first_order
     def backward(ctx, grads: list[torch.Tensor]) -> tuple:
         return backward_into(ctx, *take_grad(grads))
 

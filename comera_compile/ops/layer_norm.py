@@ -11,9 +11,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
-from comera_compile.ops.buffers import FLOATS
+from comera_compile.ops.buffers import FLOATS, first_order
 
 __all__ = ["layer_norm"]
 
@@ -45,7 +44,7 @@ class _LayerNorm(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad: torch.Tensor):
         y, rstd, weight, bias, cols, x_hat_cols = ctx.saved_tensors
         if weight is None and bias is None:

@@ -140,11 +140,28 @@ def _gelu_form(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
 _INPLACE_FNS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
+# Functions and methods whose result may be a view of their first argument: writing into it writes the input.
+_VIEW_FNS = {operator.getitem, torch.narrow, torch.select, torch.transpose, torch.permute, torch.reshape,
+             torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.unbind,
+             torch.t, torch.movedim, torch.swapaxes, torch.diagonal}
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "narrow", "select", "flatten",
+                 "unflatten", "squeeze", "unsqueeze", "expand", "expand_as", "t", "contiguous", "chunk", "split",
+                 "unbind", "movedim", "swapaxes", "diagonal", "as_strided", "__getitem__", "unfold", "T", "mT"}
+
+
 def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
-    """Whether some user of node's output overwrites it (x.add_(..), x += .., an inplace=True module or
-    function): the Tempo GELU and LayerNorm keep their output, so they must not replace such a node."""
+    """Whether some user of node's output overwrites it (x.add_(..), x += .., x[i] = .., an inplace=True module
+    or function), directly or through a view of it (x[:, 0].mul_(..)): the Tempo GELU and LayerNorm keep their
+    output, so they must not replace such a node."""
     for user in node.users:
+        if user.op == "call_function" and user.target is operator.setitem and user.args[0] is node:
+            return True
         if _input(user) is not node:
+            continue
+        if (user.op == "call_function" and user.target in _VIEW_FNS) or (
+                user.op == "call_method" and user.target in _VIEW_METHODS):
+            if _written_in_place(gm, user):
+                return True
             continue
         if user.op == "call_method" and isinstance(user.target, str) and user.target.endswith("_") \
                 and not user.target.endswith("__"):
@@ -219,7 +236,8 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
             scores = _input(node)
             if not isinstance(scores, torch.fx.Node):
                 continue
-            if "dtype" in node.kwargs and node.kwargs["dtype"] is not None:
+            # torch.softmax(x, dim, dtype) and x.softmax(dim, dtype) take it third; F.softmax fourth
+            if _arg(node, 3 if node.target is F.softmax else 2, "dtype", None) is not None:
                 summary.kept[_where(node)] = "softmax with a dtype argument"
                 continue
             nd = _ndim(scores)
