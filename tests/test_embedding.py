@@ -294,7 +294,9 @@ def test_tensorize_keeps_unsupported_bags_dense_and_says_why():
     model = nn.Sequential()
     model.add_module("sparse", nn.EmbeddingBag(1000, 64, sparse=True))
     before = copy.deepcopy(model.state_dict())
-    tt = cc.tensorize(model)
+    with pytest.warns(UserWarning, match=r"kept 1 embedding\(s\) dense whose nn.Embedding options .*"
+                                         r"\(sparse \(sparse\)\)"):
+        tt = cc.tensorize(model)
     assert "sparse" in tt.comera_summary.kept_dense["sparse"]
     with pytest.raises(cc.TensorizeError, match="EmbeddingBag options"):
         cc.tensorize(model, include="sparse")

@@ -241,6 +241,7 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     grown: list[str] = []  # kept dense: the default rank would have made them bigger
     bigger: list[str] = []  # rewritten at the rank or shape asked for, though bigger than dense
     custom: list[str] = []  # kept dense: a subclass with its own forward, or a weight computed by hooks
+    options: list[str] = []  # kept dense: embeddings with options the TT embeddings lack
     used_shapes: set = set()
     seen: dict[str, tuple[int, int]] = {}
     for name, mod in model.named_modules():
@@ -257,6 +258,8 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                 custom.append(f"{name} ({type(mod).__name__})")
             elif reason == _weight_reason(mod):
                 custom.append(f"{name} ({type(mod).__name__}: {reason.split(', which')[0]})")
+            elif reason.startswith("uses "):
+                options.append(f"{name} ({reason.split(', which')[0][5:]})")
             continue
         rank = shape.rank if shape is not None and shape.rank is not None else opts.rank
         spec = _spec(mod, kind, rank, shape, opts.d, name)
@@ -277,8 +280,11 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     if opts.include is not None and not rewrites:
         raise TensorizeError(f"include {opts.include} selects no layer that can be tensorized "
                              f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
-    return Selection(rewrites, names_of, summary, _warnings(summary, opts.tied, tied_groups, grown, bigger,
-                                                                  custom))
+    warned = _warnings(summary, opts.tied, tied_groups, grown, bigger, custom)
+    if options:
+        warned.append(f"tensorize: kept {len(options)} embedding(s) dense whose nn.Embedding options the TT "
+                      f"embeddings do not support ({'; '.join(options[:4])}{'; ...' if len(options) > 4 else ''}).")
+    return Selection(rewrites, names_of, summary, warned)
 
 
 def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],
