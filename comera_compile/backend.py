@@ -11,6 +11,7 @@ compiled by comera_compile.step.compile_step; regional compilation is comera_com
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -78,6 +79,9 @@ def _check_options(options: dict[str, Any] | None) -> dict[str, Any]:
     patches; a name that is neither is an error listing the valid ones."""
     from torch._inductor import list_options
 
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"backend 'comera' takes its options as a dict, e.g. options={{'memory': True}}; got "
+                        f"{options!r}")
     options = dict(options or {})
     unknown = set(options) - set(OPTIONS)
     config = unknown & set(list_options())
@@ -253,6 +257,9 @@ def comera_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, m
     return compiled(gm, example_inputs)
 
 
+_CAPTURES = itertools.count()
+
+
 def rewritten_graphs(model: Callable[..., Any], *args: Any, options: dict[str, Any] | None = None,
                      **kwargs: Any) -> list["GraphReport"]:
     """The graphs torch.compile(model, backend="comera") would hand Inductor for model(*args, **kwargs),
@@ -269,9 +276,18 @@ def rewritten_graphs(model: Callable[..., Any], *args: Any, options: dict[str, A
         reports.append(report)
         return gm.forward
 
+    def call(*a: Any, **kw: Any) -> Any:
+        return model(*a, **kw)
+
+    # dynamo keeps a capture's graph on the code object it starts at: a code object of this call's own (dropped
+    # with it), not the model's forward, where every capture would count toward dynamo's recompile limit
+    # until the model itself ran eagerly under torch.compile
+    call.__code__ = call.__code__.replace(co_name=f"rewritten_graphs_{next(_CAPTURES)}")
     buffers = [(b, b.detach().clone()) for b in model.buffers()] if isinstance(model, torch.nn.Module) else []
-    with torch.random.fork_rng(devices=[]):   # dropout draws: the user's generator state stays as it was
-        torch.compile(model, backend=capture)(*args, **kwargs)
+    tensors = [*(model.parameters() if isinstance(model, torch.nn.Module) else ()), *args, *kwargs.values()]
+    cuda = sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda})
+    with torch.random.fork_rng(devices=cuda):   # dropout draws: the user's generator states stay as they were
+        torch.compile(call, backend=capture)(*args, **kwargs)
     with torch.no_grad():   # e.g. BatchNorm's running statistics, updated by a forward in training mode
         for buf, saved in buffers:
             buf.copy_(saved)

@@ -134,6 +134,13 @@ def test_unknown_option_lists_valid_ones():
         compiled(torch.randn(2, 4))
 
 
+def test_options_that_are_not_a_dict_are_a_clear_error():
+    compiled = torch.compile(nn.Linear(4, 4), backend="comera", options=["memory"])
+    with pytest.raises(Exception, match=r"takes its options as a dict, e.g. options=\{'memory': True\}"):
+        compiled(torch.randn(2, 4))
+    torch._dynamo.reset()
+
+
 def test_inductor_config_names_beside_the_options_reach_inductor():
     """options={"max_autotune": True}, as torch.compile takes Inductor's settings, is Inductor's patch as if given
     in 'inductor'; a joint-graph pass given that way runs in a real compile, whose gradient matches eager.  The

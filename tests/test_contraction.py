@@ -101,3 +101,23 @@ def test_graph_without_tt_layers_is_left_alone():
     gm = torch.fx.symbolic_trace(TwoLayer())
     before = gm.code
     assert expand_contractions(gm, (torch.zeros(2, 37),)).graph_module.code == before
+
+
+def test_an_expanded_graph_checks_its_input_shape_and_keeps_autocast_s_dtypes():
+    """The expanded graph is planned for the example's shape: another shape of the same row count ((3, 2) for
+    (2, 3)), which it reshaped into the example's leading dimensions, and another row count are errors that
+    say so.  Under autocast an unfused bias is added in the output's dtype, as the eager layer adds it."""
+    torch.manual_seed(0)
+    gm = cc.tensorize(TwoLayer(), rank=4, min_features=1, trace=True)
+    ref = copy.deepcopy(gm)
+    x = torch.randn(2, 3, 37)
+    expand_contractions(gm, (x,))
+    torch.testing.assert_close(gm(x), ref(x))
+    for other in (torch.randn(3, 2, 37), torch.randn(5, 37)):
+        with pytest.raises(AssertionError, match=r"planned this graph for inputs of shape \(2, 3, 37\); expand it"):
+            gm(other)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = gm(x), ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+

@@ -125,6 +125,23 @@ def test_rewritten_graphs_finds_every_tt_layer_with_its_plan_s_flops():
     assert "hash_dropout" in reports[0].code and "[layers.1.linear2]" in reports[0].code
 
 
+def test_rewritten_graphs_any_number_of_times_leaves_torch_compile_of_the_model_compiling():
+    """Each call captures on a code object of its own: a dozen calls (beyond dynamo's recompile limit of 8 per
+    code object) all report the graph, and torch.compile of the model afterwards still compiles it."""
+    torch._dynamo.reset()
+    model = cc.tensorize(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)), rank=4)
+    assert [len(cc.rewritten_graphs(model, torch.randn(2, 64))) for _ in range(12)] == [1] * 12
+    calls = []
+
+    def counting(gm, example_inputs):
+        calls.append(1)
+        return gm.forward
+
+    torch.compile(model, backend=counting)(torch.randn(2, 64))
+    assert calls == [1]
+    torch._dynamo.reset()
+
+
 def test_rewritten_graphs_leaves_the_model_and_the_generator_as_they_were():
     model = nn.Sequential(nn.Linear(256, 512), nn.BatchNorm1d(512), nn.Dropout(0.5), nn.Linear(512, 256))
     model = cc.tensorize(model, rank=8)

@@ -29,6 +29,9 @@ def test_pass_routes_integer_casts_only_and_keeps_values():
     def backend(gm, example_inputs):
         seen.append(materialize_int_casts(gm).count)
         assert any(n.target is torch.ops.comera.opaque_copy.default for n in gm.graph.nodes)
+        copies = sum(n.target is torch.ops.comera.opaque_copy.default for n in gm.graph.nodes)
+        assert materialize_int_casts(gm).count == 0   # a second run routes nothing twice
+        assert sum(n.target is torch.ops.comera.opaque_copy.default for n in gm.graph.nodes) == copies
         return gm.forward
 
     torch._dynamo.reset()

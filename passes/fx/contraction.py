@@ -66,11 +66,13 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
     GraphPassResult(gm, count of expanded layers).
 
     Shapes come from the nodes' metadata (dynamo and AOTAutograd graphs carry them) or, when missing, from
-    running `example_inputs` through fake tensors.  `training` picks the plan's objective: forward +
+    running `example_inputs` through fake tensors.  The expanded graph serves those shapes only (each layer's
+    plan is its row count's): it checks its inputs' shapes and says so otherwise.  `training` picks the plan's objective: forward +
     backward FLOPs (True) or forward FLOPs (False); default: gm.training."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"expand_contractions takes a torch.fx.GraphModule, got {type(gm).__name__}; "
-                        f"get one from comera_compile.tensorize(model) or torch.fx.symbolic_trace(model)")
+                        f"get one from comera_compile.tensorize(model, trace=True) (torch.fx.symbolic_trace "
+                        f"cannot trace a TT layer's shape check)")
     training = gm.training if training is None else training
     tt_nodes = [n for n in gm.graph.nodes if n.op == "call_module"
                 and isinstance(gm.get_submodule(n.target), TTLinear)]
@@ -113,6 +115,12 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                 elif k == len(spec.core_shapes) - 1:
                     core = emit("call_method", "reshape", (core, shape_k[0], shape_k[1]), f"core{k}")
                 ops.append(core)
+            # The plan and the reshapes are this shape's: another input shape is an error, not a wrong row
+            same = emit("call_function", operator.eq, (emit("call_function", getattr, (x, "shape"), "shape"),
+                                                       torch.Size(shape)), "same_shape")
+            emit("call_function", torch._assert, (same, f"{node.target}: expand_contractions planned this graph "
+                 f"for inputs of shape {tuple(shape)}; expand it again for other shapes (or compile the model "
+                 f"with backend='comera', which plans each shape it sees)"), "shape_check")
             h = emit("call_method", "reshape", (x, rows, spec.in_features), "rows")
             if spec.in_padded != spec.in_features:
                 h = emit("call_function", F.pad, (h, (0, spec.in_padded - spec.in_features)), "padded")
@@ -135,7 +143,10 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
                 y = emit("call_function", operator.getitem, (y, (slice(None), slice(0, spec.out_features))),
                          "unpadded")
             if mod.bias is not None and not fused:
-                y = emit("call_function", operator.add, (y, graph.get_attr(f"{node.target}.bias")), "biased")
+                # in y's dtype, as nn.Linear's output under autocast (the eager TTLinear adds it so too)
+                dtype = emit("call_function", getattr, (y, "dtype"), "dtype")
+                b = emit("call_method", "to", (graph.get_attr(f"{node.target}.bias"), dtype), "bias")
+                y = emit("call_function", operator.add, (y, b), "biased")
             y = emit("call_method", "reshape", (y, *lead, spec.out_features), "out")
         for new in graph.nodes:   # which layer each new node computes, for comera_compile.logs
             if new not in before:

@@ -41,6 +41,8 @@ def materialize_int_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[obj
         if src.is_floating_point() or src.is_complex() or not out.is_floating_point() or out.requires_grad:
             continue
         users = list(node.users)
+        if users and all(u.op == "call_function" and u.target is OPAQUE_COPY for u in users):
+            continue   # routed by an earlier run of this pass
         with gm.graph.inserting_after(node):
             copy = gm.graph.call_function(OPAQUE_COPY, (node,))
         copy.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace")})

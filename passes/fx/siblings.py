@@ -100,6 +100,12 @@ def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.f
     return a, b, bias
 
 
+# h += 1 and the like in a dynamo graph: in-place on tensors, though their names do not end in "_"
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
+
+
 def _is_boundary(node: torch.fx.Node) -> bool:
     """A node nothing may move across: a grad-mode or autocast switch, an assertion, an in-place op, a
     module call."""
@@ -109,7 +115,8 @@ def _is_boundary(node: torch.fx.Node) -> bool:
         return False
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
     return (node.is_impure() or (name.endswith("_") and not name.startswith("__"))
-            or node.target is operator.setitem)
+            or node.target is operator.setitem or node.target in _INPLACE_OPERATORS
+            or (isinstance(node.target, str) and node.target.startswith("__i")))   # x.__iadd__(y)
 
 
 class _Graph:
