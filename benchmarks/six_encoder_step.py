@@ -29,6 +29,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile import networks
 from comera_compile.backend import comera_backend
+from comera_compile.report import times_faster
 from comera_compile.examples import six_encoder
 from comera_compile.tt import TTSpec, constant_under_compile
 
@@ -172,9 +173,10 @@ def format_rows(rows: list[dict]) -> str:
                          f"empty caches, {r['warm cache s']:.1f} s warm ({r['threads']} threads)")
             continue
         times = ", ".join(f"{k[:-3]} {v:.1f} ms" for k, v in r.items() if k.endswith(" ms"))
-        lines.append(f"{r['benchmark']} ({r['threads']} threads): {times}; comera {r['comera vs dense eager']:.2f}x "
-                     f"faster than dense eager, {r['comera vs tensorized eager']:.2f}x than tensorized eager, "
-                     f"{r['comera vs fixed order']:.2f}x than the fixed order; params {r['dense params']:,} -> "
+        lines.append(f"{r['benchmark']} ({r['threads']} threads, medians): {times}; comera "
+                     f"{times_faster(r['comera vs dense eager'], 2)} than dense eager, "
+                     f"{times_faster(r['comera vs tensorized eager'], 2)} than tensorized eager, "
+                     f"{times_faster(r['comera vs fixed order'], 2)} than the fixed order; params {r['dense params']:,} -> "
                      f"{r['tensorized params']:,}" + _gemms(r))
     return "\n".join(lines)
 

@@ -125,3 +125,9 @@ def explain(model: nn.Module, rows: int = 1024, tau: float = DEFAULT_TAU) -> Exp
     summary = getattr(model, "comera_summary", None)
     kept = dict(summary.kept_dense) if summary is not None else {}
     return Explanation(table, total, dense_total, kept, rows)
+
+
+def times_faster(ratio: float, digits: int = 1) -> str:
+    """A speed ratio (old time / new time) in words: "2.3x faster", or "1.4x slower" below 1."""
+    return f"{ratio:.{digits}f}x faster" if ratio >= 1 else f"{1 / ratio:.{digits}f}x slower"
+

@@ -13,6 +13,7 @@ Run it: ``comera-compile demo`` (options: ``comera-compile demo --help``; ``--pr
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -114,7 +115,8 @@ class DemoConfig:
             (not self.resume or self.out is not None, "--resume needs --out DIR, the folder of the run to go on with"),
             (self.minutes is not None or self.steps is not None,
              "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
-            (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
+            (self.minutes is None or 0 < self.minutes < math.inf,
+             f"--minutes must be a positive number (for no time budget, give --steps alone), got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
             (self.seq_len >= 8, f"--seq-len must be at least 8 (15% of it is masked), got {self.seq_len}"),

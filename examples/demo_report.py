@@ -8,6 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from comera_compile.report import times_faster
+
 __all__ = ["precision_words", "reach_time", "step_figures", "ratio", "NO_STEADY_STEP", "summarize", "format_table",
            "smooth", "skipped_words", "plot", "write_outputs", "environment", "finish"]
 
@@ -97,7 +99,7 @@ def format_table(result: dict[str, Any]) -> str:
         ("training time (compiles included, evaluations not)", f"{d['time_s']:.0f} s", f"{c['time_s']:.0f} s"),
         ("steps", f"{d['steps']:,}", f"{c['steps']:,}"),
         ("median step time", _step_cell(d), _step_cell(c) + ("" if s["step_speedup"] is None
-                                                             else f" ({s['step_speedup']:.1f}x faster)")),
+                                                             else f" ({times_faster(s['step_speedup'])})")),
         ("compile time", "-" if d["compile_s"] == 0 else f"{d['compile_s']:.1f} s", f"{c['compile_s']:.1f} s"),
         ("peak tracked memory, one eager fwd+bwd", _mib(d["peak_bytes"]),
          f"{_mib(c['peak_bytes'])} ({s['memory_ratio']:.2f}x)"),
@@ -106,7 +108,8 @@ def format_table(result: dict[str, Any]) -> str:
          f"{c['params_encoder_start']:,} -> {c['params_encoder']:,} ({s['encoder_compression_end']:.0f}x fewer)"),
         ("active TT parameters, start -> end", "-",
          f"{c['active_tt_params_start']:,} -> {c['active_tt_params_end']:,} ({s['active_tt_fall']:.1f}x fewer)"),
-        ("held-out loss / accuracy, end of equal time", _quality(d["evals"][-1]), _quality(c["evals"][-1])),
+        (f"held-out loss / accuracy, end of equal {'time' if result['config'].get('minutes') else 'steps'}",
+         _quality(d["evals"][-1]), _quality(c["evals"][-1])),
         (f"held-out loss / accuracy at {d['steps']:,} steps", _quality(dense_at_steps),
          _quality(s["comera_at_equal_steps"])),
     ]

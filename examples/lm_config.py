@@ -3,6 +3,7 @@ for a 2-core CPU) and PretrainConfig, which `comera-compile pretrain`'s options 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,8 @@ class PretrainConfig:
              "--resume needs --out DIR, the folder of the run to go on with"),
             (self.minutes is not None or self.steps is not None,
              "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
-            (self.minutes is None or self.minutes > 0, f"--minutes must be positive, got {self.minutes}"),
+            (self.minutes is None or 0 < self.minutes < math.inf,
+             f"--minutes must be a positive number (for no time budget, give --steps alone), got {self.minutes}"),
             (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
             (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
             (self.seq_len >= 2, f"--seq-len must be at least 2 (a token and its successor), got {self.seq_len}"),

@@ -68,7 +68,7 @@ def run(cfg: PretrainConfig, log: Callable[[str], None] = print) -> dict[str, An
     final token count), and the table, PNG and JSON in cfg.out.  Under torchrun every process trains on its
     rows of every global batch (DDP); the first logs and writes."""
     cfg.check()
-    if cfg.threads is not None and "OMP_NUM_THREADS" not in os.environ:  # torchrun's choice stands
+    if cfg.threads is not None and "WORLD_SIZE" not in os.environ:  # under torchrun, its choice stands
         torch.set_num_threads(cfg.threads)
     world = from_env(cfg.device)
     return run_in_world(cfg, world, _run, log)
@@ -117,8 +117,9 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     del dense
     log(f"dense: {dense_params['total']:,} parameters, {dense_params['decoder']:,} in the decoder layers")
     env = demo_report.environment(world.size, device)
+    # each run is also evaluated at the first method's final token count: a run kept must have been too
     store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, data_source=data.source,
-                                               vocab_size=data.vocab_size),
+                                               vocab_size=data.vocab_size, evaluated_beside=methods[0]),
                      resume=cfg.resume, main=world.main, log=log)
     with store.training("pretrain"), arithmetic(cfg.arithmetic(), device):
         for method in methods:

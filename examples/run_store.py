@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -39,6 +40,14 @@ class RunStore:
         self.out, self.names, self.main, self.log = Path(out), list(names), main, log
         self.fingerprint = fingerprint
         self.runs: dict[str, dict[str, Any]] = {}
+        if main:   # found now, not after the first model trained
+            try:
+                (self.out / "runs").mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise DemoError(f"--out {str(self.out)!r}: cannot make that folder ({e.strerror or e}); give a "
+                                f"folder you can write") from e
+            if not os.access(self.out / "runs", os.W_OK):
+                raise DemoError(f"--out {str(self.out)!r}: that folder is not writable; give one you can write")
         if resume:
             for name in self.names:
                 saved = self._load(name)
@@ -52,6 +61,9 @@ class RunStore:
             if saved:
                 log(f"note: {self.out / 'runs'} holds finished runs of {', '.join(saved)}; this run replaces them "
                     f"(--resume would keep them)")
+                if main:   # gone now: a --resume after a stop keeps only this run's
+                    for n in saved:
+                        run_path(self.out, n).unlink()
 
     def _load(self, name: str) -> dict[str, Any] | None:
         path = run_path(self.out, name)
@@ -87,8 +99,10 @@ class RunStore:
         that goes on."""
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             if self.runs and len(self.runs) < len(self.names):
-                self.log(f"stopped: {', '.join(self.runs)} finished and kept in {self.out / 'runs'}; the same "
+                self.log(f"\nstopped: {', '.join(self.runs)} finished and kept in {self.out / 'runs'}; the same "
                          f"`comera-compile {command}` with --resume --out {self.out} trains only the rest")
+            if isinstance(e, KeyboardInterrupt):   # the hint is the message: no traceback
+                raise SystemExit(130) from None
             raise

@@ -463,8 +463,9 @@ def test_demo_smoke_eager_writes_consistent_outputs(tmp_path, monkeypatch, capsy
         return real(name, *a, **k)
 
     monkeypatch.setattr(code_mlm, "train_one", stop_in_comera)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stop:   # Ctrl-C: the hint below, status 130, no traceback
         _run_cli(tmp_path, *args)
+    assert stop.value.code == 130
     out = tmp_path / "out"
     assert f"stopped: dense finished and kept in {out / 'runs'}" in capsys.readouterr().out
     kept = json.loads((out / "runs" / "dense.json").read_text())["run"]

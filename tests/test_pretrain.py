@@ -169,7 +169,9 @@ def test_presets_have_the_papers_llama_shapes():
     (["--seq-len", "2048"], "above the model's 1024 positions"),
     (["--methods", "dense,lora"], "--methods takes a comma-separated subset of dense,comera,galore"),
     (["--steps", "0"], "--steps must be at least 1"),
-    (["--minutes", "-1"], "--minutes must be positive"),
+    (["--minutes", "-1"], "--minutes must be a positive number"),
+    (["--minutes", "inf"], "--minutes must be a positive number (for no time budget, give --steps alone), got inf"),
+    (["--steps", "10"], None),   # a step budget alone warms up for a tenth of it: no error
     (["--steps", "5", "--warmup-steps", "5"], "leaves no step of the 5-step budget"),
     (["--lr", "0"], "learning rates must be positive"),
     (["--rank", "0"], "--rank must be a positive integer"),
@@ -184,7 +186,11 @@ def test_presets_have_the_papers_llama_shapes():
     pytest.param(["--device", "cuda"], "no CUDA device is visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")),
 ])
-def test_bad_options_say_what_to_change(args, message, capsys):
+def test_bad_options_say_what_to_change(args, message, capsys, monkeypatch, keep_threads):
+    if message is None:   # accepted: stop before anything is read or trained
+        monkeypatch.setattr(lp, "run_in_world", lambda *a: {})
+        assert main(["pretrain", *args]) == 0
+        return
     with pytest.raises(SystemExit) as e:
         main(["pretrain", *args])
     assert str(e.value).startswith("comera-compile pretrain: ")
@@ -502,3 +508,34 @@ def test_two_processes_train_as_one_on_the_whole_batch(tmp_path, precision):
         assert two["history"]["loss"] == pytest.approx(one["history"]["loss"], rel=rel)
         assert two["val_loss"] == pytest.approx(one["val_loss"], rel=rel)
         assert "DDP x 2 processes" in two["execution"]
+
+
+def test_a_run_stopped_by_ctrl_c_after_replacing_another_resumes_and_evaluates_beside_the_same_method(
+        tmp_path, micro, keep_threads, monkeypatch, capsys):
+    """A run over a folder of finished runs replaces them at once, so the --resume its Ctrl-C hint names keeps
+    only its own; Ctrl-C leaves the hint and exit status 130, no traceback; a kept run evaluated beside
+    another first method (dense's tokens, where --methods comera alone has none) is refused, naming it."""
+    out = tmp_path / "run"
+    args = ["pretrain", "--preset", "micro", "--out", str(out), "--methods", "dense,comera", *MICRO_ARGS]
+    assert main(args) == 0
+    real, trained, stop_in = lp.train_one, [], {"comera"}
+
+    def train_one(method, *a, **k):
+        trained.append(method)
+        if method in stop_in:
+            raise KeyboardInterrupt
+        return real(method, *a, **k)
+
+    monkeypatch.setattr(lp, "train_one", train_one)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        main([*args, "--lr", "2e-3"])
+    assert stop.value.code == 130
+    assert "stopped: dense finished and kept" in capsys.readouterr().out
+    assert not (out / "runs" / "comera.json").exists()   # the earlier run's, at lr 1e-3, is gone
+    trained.clear()
+    stop_in.clear()
+    assert main([*args, "--lr", "2e-3", "--resume"]) == 0 and trained == ["comera"]
+    with pytest.raises(SystemExit, match=r"comera's run .* differently \(evaluated_beside 'dense' there, 'comera'"):
+        main(["pretrain", "--preset", "micro", "--out", str(out), "--methods", "comera", *MICRO_ARGS,
+              "--lr", "2e-3", "--resume"])

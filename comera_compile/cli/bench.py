@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from comera_compile.cli.launch import set_threads
 
@@ -11,7 +13,20 @@ def run(args: argparse.Namespace) -> int:
     from comera_compile.benchmarks.suite import run_suite
 
     set_threads("bench", args.threads)
-    if args.profile:
+    if args.profile is not None and args.profile < 1:
+        raise SystemExit(f"comera-compile bench: --profile takes a batch of at least 1, got {args.profile}")
+    if args.json is not None:   # found before the suite runs, not after
+        target = Path(args.json)
+        if target.is_dir():
+            raise SystemExit(f"comera-compile bench: --json {args.json!r} is a folder; give a file path")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SystemExit(f"comera-compile bench: --json {args.json!r}: cannot make its folder "
+                             f"({e.strerror or e})") from e
+        if not os.access(target.parent, os.W_OK):
+            raise SystemExit(f"comera-compile bench: --json {args.json!r}: its folder is not writable")
+    if args.profile is not None:
         from comera_compile.benchmarks.device_step import resolve_device
         from comera_compile.benchmarks.profiling import six_encoder_profile
 

@@ -24,7 +24,11 @@ def _load_factory(spec: str) -> nn.Module:
     factory = getattr(module, attr, None)
     if factory is None:
         raise SystemExit(f"comera-compile: {mod_name!r} has no attribute {attr!r}")
-    model = factory()
+    try:
+        model = factory()
+    except Exception as e:   # the user's code: say what it raised, and how FACTORY is called
+        raise SystemExit(f"comera-compile: {spec}() raised {type(e).__name__}: {e} (FACTORY is called with no "
+                         f"arguments: point at a function that builds the model)") from e
     if not isinstance(model, nn.Module):
         raise SystemExit(f"comera-compile: {spec} returned a {type(model).__name__}, not an nn.Module")
     return model

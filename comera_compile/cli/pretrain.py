@@ -20,6 +20,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     given = given_options(args, _PRETRAIN_OPTIONS)
     if args.methods is not None:
         given["methods"] = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    if args.steps is not None and args.minutes is None and args.warmup_steps is None:
+        given["warmup_steps"] = None   # a step budget: warm up for a tenth of it, as --help says
     if args.no_clip:
         given["clip"] = None
     if args.resume:
