@@ -176,8 +176,8 @@ def format_rows(rows: list[dict]) -> str:
         lines.append(f"{r['benchmark']} ({r['threads']} threads, medians): {times}; comera "
                      f"{times_faster(r['comera vs dense eager'], 2)} than dense eager, "
                      f"{times_faster(r['comera vs tensorized eager'], 2)} than tensorized eager, "
-                     f"{times_faster(r['comera vs fixed order'], 2)} than the fixed order; params {r['dense params']:,} -> "
-                     f"{r['tensorized params']:,}" + _gemms(r))
+                     f"{times_faster(r['comera vs fixed order'], 2)} than the fixed order; params "
+                     f"{r['dense params']:,} -> {r['tensorized params']:,}" + _gemms(r))
     return "\n".join(lines)
 
 

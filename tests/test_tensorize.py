@@ -181,7 +181,8 @@ def test_untraceable_model_falls_back_module_by_module_with_warning():
     (dict(min_features="64"), "min_features must be an integer"),
     (dict(d="3"), r"d \(the number of cores per layer\) must be an integer"),
     (dict(d=0), "must be an integer of at least 1"),
-    (dict(shapes={"layers.*.ffn_upp": ((4, 4, 3), (4, 4, 6))}), r"shapes key\(s\) \['layers.\*.ffn_upp'\] match no layer"),
+    (dict(shapes={"layers.*.ffn_upp": ((4, 4, 3), (4, 4, 6))}),
+     r"shapes key\(s\) \['layers.\*.ffn_upp'\] match no layer"),
     (dict(shapes={(96, 40): ((4, 4, 6), (4, 2, 5))}), r"match no layer.*layers.0.ffn_up \(48, 96\)"),
     (dict(shapes={"fc1": (4, 4)}), "must be a LayerShape"),
 ])

@@ -9,5 +9,5 @@ from .fsdp import (PlainView, ShardedView, check_resharding, is_sharded, local, 
 from .replicas import agree_on_masks, distributed, replica_mean, synchronize
 
 __all__ = ["is_sharded", "local", "local_masks", "shard_like", "unsharded", "check_resharding", "view", "PlainView",
-           "ShardedView", "distributed", "synchronize", "agree_on_masks", "replica_mean", "save_checkpoint", "load_checkpoint",
-           "checkpoint_ranks", "resize_ranks"]
+           "ShardedView", "distributed", "synchronize", "agree_on_masks", "replica_mean", "save_checkpoint",
+           "load_checkpoint", "checkpoint_ranks", "resize_ranks"]

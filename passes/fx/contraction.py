@@ -67,8 +67,8 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
 
     Shapes come from the nodes' metadata (dynamo and AOTAutograd graphs carry them) or, when missing, from
     running `example_inputs` through fake tensors.  The expanded graph serves those shapes only (each layer's
-    plan is its row count's): it checks its inputs' shapes and says so otherwise.  `training` picks the plan's objective: forward +
-    backward FLOPs (True) or forward FLOPs (False); default: gm.training."""
+    plan is its row count's): it checks its inputs' shapes and says so otherwise.  `training` picks the
+    plan's objective: forward + backward FLOPs (True) or forward FLOPs (False); default: gm.training."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"expand_contractions takes a torch.fx.GraphModule, got {type(gm).__name__}; "
                         f"get one from comera_compile.tensorize(model, trace=True) (torch.fx.symbolic_trace "

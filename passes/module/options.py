@@ -171,5 +171,3 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
     return Options(rank=rank, rank_chosen=rank_chosen, shapes=dict(shapes or {}), include=include_p,
                    exclude=exclude_p, min_features=min_features, init=init, d=d, shaped_only=shaped_only,
                    tied=tied, asked_shapes=tuple(asked))
-
-
