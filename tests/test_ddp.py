@@ -523,3 +523,45 @@ def test_compile_step_on_a_ddp_wrapper_says_to_rebuild_it_after_a_reallocation(t
         assert r[False]["cuts"] == 1 and "build the step again on a new wrapper" in r[False]["error"]
         assert r[True]["cuts"] >= 1 and "error" not in r[True], r[True].get("error")
     assert all(torch.equal(p, q) for p, q in zip(a[True]["params"], b[True]["params"]))
+
+
+def _own_models_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each process trains a model of its own (another seed, no DDP), RankAdaptive checking every 2 steps:
+    with the default group the first check finds 'replicas' that differ; with a group of one per process
+    each trains on, its model its own, and rank 0 alone training a model while rank 1 waits does not hang."""
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        own, _ = dist.new_subgroups(1)
+        result: dict = {}
+        for group in ("default", "own"):
+            torch.manual_seed(rank)
+            model = cc.tensorize(nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 5)), rank=6,
+                                 min_features=32)
+            opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+            ra = cc.RankAdaptive(model, optimizer=opt, cut_every=2, process_group=own if group == "own" else None)
+            try:
+                for _ in range(4):
+                    loss = nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 5, (8,)))
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    ra.step(loss)
+                result[group] = [p.detach().clone() for p in model.parameters()]
+            except RuntimeError as e:
+                result[group] = str(e)
+        if rank == 0:   # rank 0 alone: its checks talk to no other process
+            ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, process_group=own)
+            ra.step(torch.tensor(1.0))
+        dist.barrier()
+        torch.save(result, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_processes_that_each_train_their_own_model_say_so_with_a_group_of_one(tmp_path):
+    out = str(tmp_path / "own")
+    mp.spawn(_own_models_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    for r in (a, b):
+        assert "process_group=torch.distributed.new_subgroups(1)[0]" in r["default"], r["default"]
+    assert not all(torch.equal(p, q) for p, q in zip(a["own"], b["own"]))   # each kept its own model

@@ -37,7 +37,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if ra is not None:  # kept whole (its masks have the checkpoint's shapes, which the loader reads first)
         # One copy is kept for all processes: the one every process holds once the loss average is the
         # processes' mean (the late stage's decisions are taken on it).
-        ra._loss_ema = replica_mean(ra._loss_ema, ra._penalty_t.device)
+        ra._loss_ema = replica_mean(ra._loss_ema, ra._penalty_t.device, ra.process_group)
         buf = io.BytesIO()
         torch.save(ra.state_dict(), buf)
         state[_RA] = buf.getvalue()

@@ -150,19 +150,20 @@ class RankAdaptive(Reports):
     re-allocation when the allocated TT parameters reach ``realloc_at`` = 2 times the active ones (None: only
     an explicit ``cut()``, for wrappers that cannot be rebuilt mid-training).  ``share_allocation`` allocates
     layers of equal shape at equal ranks, so repeated blocks keep sharing one compiled graph.  The late stage
-    (``target_ratio``, ``late_stage_at``, ``target_loss``) steers toward a size target."""
+    (``target_ratio``, ``late_stage_at``, ``target_loss``) steers toward a size target.  ``process_group``: the
+    model's replicas (DDP's; default all); a model per process: ``torch.distributed.new_subgroups(1)[0]``."""
 
     def __init__(self, model: nn.Module, tau: float = DEFAULT_TAU, gamma: float = 0.1,
                  target_ratio: float | None = None, target_loss: float | None = None,
                  late_stage_at: int | None = None, cut_every: int = 100,
                  optimizer: torch.optim.Optimizer | None = None, realloc_at: float | None = 2.0,
                  prox_lr: float = 1e-3, share_allocation: bool = True, penalty: str = "mcp",
-                 pull_below: float = 0.15) -> None:
+                 pull_below: float = 0.15, process_group: Any = None) -> None:
         _check_arguments(tau, gamma, target_ratio, late_stage_at, cut_every, penalty, pull_below, realloc_at)
         self.layers = _trainable_layers(model)
         self.model, self.tau, self.gamma = model, float(tau), float(gamma)
         self.target_ratio, self.target_loss, self.late_stage_at = target_ratio, target_loss, late_stage_at
-        self.cut_every, self.realloc_at = cut_every, realloc_at
+        self.cut_every, self.realloc_at, self.process_group = cut_every, realloc_at, process_group
         self.optimizer: torch.optim.Optimizer | None = None
         self._stepper: Any = None   # the object attached: the optimizer or its wrapper
         if optimizer is not None:
@@ -274,7 +275,8 @@ class RankAdaptive(Reports):
             view.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
         self._penalty_t.copy_(self.penalty())
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
-            self.stage, self._loss_ema = "late", _dist.replica_mean(self._loss_ema, self._penalty_t.device)
+            self.stage, self._loss_ema = "late", _dist.replica_mean(self._loss_ema, self._penalty_t.device,
+                                                                   self.process_group)
             self.size_target = self.target_ratio * self.size()
             self.loss_target = self.target_loss if self.target_loss is not None else (
                 self._loss_ema if self._loss_ema is not None else 0.0)
@@ -297,9 +299,9 @@ class RankAdaptive(Reports):
         removed = 0
         with self._view.unsharded(self.optimizer):
             check_finite(self.layers, self._norms, self.steps)
-            if _dist.synchronize(self.model, self.layers, alloc.masks):
+            if _dist.synchronize(self.model, self.layers, alloc.masks, self.process_group):
                 alloc.update()
-                self._loss_ema = _dist.replica_mean(self._loss_ema, self._penalty_t.device)
+                self._loss_ema = _dist.replica_mean(self._loss_ema, self._penalty_t.device, self.process_group)
             for name, layer in self.layers.items():
                 canonicalize(layer)
                 replace(self.optimizer, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
@@ -309,7 +311,7 @@ class RankAdaptive(Reports):
             alloc.switch_off(self.tau, self.size_target if self.stage == "late" else None)
             if self.stage == "late":
                 self._prune_toward_target()
-            if _dist.agree_on_masks(self.layers, alloc.masks):
+            if _dist.agree_on_masks(self.layers, alloc.masks, self.process_group):
                 alloc.update()
             if alloc.reallocation_due(self.realloc_at, self.share_allocation):
                 if self.optimizer is None:
