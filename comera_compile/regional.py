@@ -118,8 +118,15 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
                        "which turns the cache off unless a call asks for it")
             _eager(block, name, warned, why, fix, remember=False)
             return call_impl(*args, **kwargs)
+        # Blocks of one class share graphs: their graphs guard on the hooks of the modules inside (dynamo skips
+        # those guards by default), so a hook on one layer is neither lost nor run on the others
+        hooks_unguarded = config.skip_nnmodule_hook_guards
+        config.skip_nnmodule_hook_guards = False
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
-            return compiled(*args, **kwargs)
+            try:
+                return compiled(*args, **kwargs)
+            finally:
+                config.skip_nnmodule_hook_guards = hooks_unguarded
         before = getattr(config, flag)
         setattr(config, flag, True)
         try:
@@ -138,6 +145,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             return call_impl(*args, **kwargs)
         finally:
             setattr(config, flag, before)
+            config.skip_nnmodule_hook_guards = hooks_unguarded
 
     return run
 
