@@ -456,9 +456,8 @@ def test_the_late_stage_decides_on_the_processes_mean_loss_and_resumes_to_the_bi
     gates; a checkpoint saved and loaded through the DDP wrapper (its layers named as in the bare model) at a
     point where a cut has happened resumes with the callback rebuilding the wrapper, to the bit."""
     ckpt = str(tmp_path / "ckpt")
-    for mode in ("full", "save", "load"):
-        mp.spawn(_late_stage_worker, args=(2, _free_port(), str(tmp_path / mode), mode, ckpt), nprocs=2, join=True)
-    full, first, rest = ([torch.load(tmp_path / f"{m}.{r}") for r in range(2)] for m in ("full", "save", "load"))
+    full, first, rest = (_two_processes(_late_stage_worker, str(tmp_path / mode), mode, ckpt)
+                         for mode in ("full", "save", "load"))
     assert full[0]["cuts"] >= 1 and first[0]["cuts"] >= 1   # the checkpoint holds cut ranks
     for (step, ema0, params0), (_, ema1, params1) in zip(full[0]["checks"], full[1]["checks"]):
         assert ema0 == ema1, step
@@ -466,6 +465,12 @@ def test_the_late_stage_decides_on_the_processes_mean_loss_and_resumes_to_the_bi
     assert rest[0]["ranks"] == full[0]["ranks"]
     for r in range(2):
         assert all(torch.equal(a, b) for a, b in zip(rest[r]["params"], full[r]["params"]))
+
+
+def _two_processes(worker, out: str, *args) -> list[dict]:
+    """Run worker(rank, 2, port, out, *args) in two gloo processes; each process's saved result."""
+    mp.spawn(worker, args=(2, _free_port(), out, *args), nprocs=2, join=True)
+    return [torch.load(f"{out}.{r}") for r in range(2)]
 
 
 def _compile_step_cut_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -516,9 +521,7 @@ def _compile_step_cut_worker(rank: int, world: int, port: int, out: str) -> None
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_compile_step_on_a_ddp_wrapper_says_to_rebuild_it_after_a_reallocation(tmp_path):
-    out = str(tmp_path / "cut")
-    mp.spawn(_compile_step_cut_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    a, b = _two_processes(_compile_step_cut_worker, str(tmp_path / "cut"))
     for r in (a, b):
         assert r[False]["cuts"] == 1 and "build the step again on a new wrapper" in r[False]["error"]
         assert r[True]["cuts"] >= 1 and "error" not in r[True], r[True].get("error")
@@ -559,9 +562,7 @@ def _own_models_worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_processes_that_each_train_their_own_model_say_so_with_a_group_of_one(tmp_path):
-    out = str(tmp_path / "own")
-    mp.spawn(_own_models_worker, args=(2, _free_port(), out), nprocs=2, join=True)
-    a, b = (torch.load(f"{out}.{r}") for r in range(2))
+    a, b = _two_processes(_own_models_worker, str(tmp_path / "own"))
     for r in (a, b):
         assert "process_group=torch.distributed.new_subgroups(1)[0]" in r["default"], r["default"]
     assert not all(torch.equal(p, q) for p, q in zip(a["own"], b["own"]))   # each kept its own model

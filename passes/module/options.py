@@ -141,10 +141,10 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
         raise TensorizeError(f"rank must be a positive int or a list of ints, got {rank!r}")
     if isinstance(rank, int) and rank <= 0:
         raise TensorizeError(f"rank must be a positive integer, got {rank}")
-    for value, label, least in ((min_features, "min_features", 0), (d, "d (the number of cores per layer)", 1)):
-        if (value is not None or label == "min_features") and (
-                isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise TensorizeError(f"{label} must be an integer of at least {least}, got {value!r}")
+    if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 0:
+        raise TensorizeError(f"min_features must be an integer of at least 0, got {min_features!r}")
+    if d is not None and (isinstance(d, bool) or not isinstance(d, int) or d < 1):
+        raise TensorizeError(f"d (the number of cores per layer) must be an integer of at least 1, got {d!r}")
     for key, value in asked.items():
         as_shape(value, key)
     if init not in ("random", "svd"):
