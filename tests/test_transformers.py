@@ -324,8 +324,8 @@ def test_a_12_layer_bert_keeps_its_pretrained_pad_row_frozen_embeddings_and_hook
     """A 12-layer BertForMaskedLM as it comes from a checkpoint (its [PAD] row not zero, as BERT's own
     checkpoints have it), its embeddings frozen for fine-tuning and a forward hook of the user's on one
     layer, tensorized at the defaults but for full-rank svd: the logits are the dense model's (float64, pad
-    tokens in the batch); then cc.compile_step at its defaults with RankAdaptive trains, with the first
-    step's loss the eager model's, the frozen embeddings unchanged and RankAdaptive saying it leaves them."""
+    tokens in the batch); then cc.compile_step at its defaults with RankAdaptive trains it in float32, with
+    the first step's loss the eager model's, the frozen embeddings unchanged and RankAdaptive saying it leaves them."""
     cfg = transformers.BertConfig(vocab_size=211, hidden_size=32, num_hidden_layers=12, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
@@ -335,7 +335,7 @@ def test_a_12_layer_bert_keeps_its_pretrained_pad_row_frozen_embeddings_and_hook
     with torch.no_grad():
         emb.weight[0] = torch.randn(32, dtype=torch.float64)
     emb.requires_grad_(False)
-    dense.bert.encoder.layer[5].intermediate.dense.register_forward_hook(lambda m, args, out: 0.5 * out)
+    dense.bert.encoder.layer[5].intermediate.dense.register_forward_hook(lambda m, args, out: 0.1 * out)
     ids = torch.randint(1, 211, (2, 12))
     ids[:, -3:] = 0   # padding, attended as BERT's own inputs without an attention mask are
     dense.eval()
@@ -348,7 +348,7 @@ def test_a_12_layer_bert_keeps_its_pretrained_pad_row_frozen_embeddings_and_hook
     assert isinstance(tt.bert.encoder.layer[5].intermediate.dense, TTLinear)
     torch.testing.assert_close(tt(input_ids=ids).logits, want, rtol=1e-9, atol=1e-9)
 
-    tt.train()
+    tt.float().train()   # trained in float32, as users train
     labels = torch.where(ids > 0, ids, -100)
     torch.manual_seed(0)
     eager_loss = tt(input_ids=ids, labels=labels).loss
@@ -359,7 +359,7 @@ def test_a_12_layer_bert_keeps_its_pretrained_pad_row_frozen_embeddings_and_hook
     torch._dynamo.reset()
     step = cc.compile_step(tt, None, opt, rank_adaptive=ra)
     losses = [step(input_ids=ids, labels=labels) for _ in range(3)]
-    torch.testing.assert_close(losses[0], eager_loss.detach(), rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(losses[0], eager_loss.detach(), rtol=2e-6, atol=2e-6)
     assert losses[2] < losses[0] and ra.steps == 3
     assert all(torch.equal(p, q) for p, q in zip(word.parameters(), frozen))
     torch._dynamo.reset()
