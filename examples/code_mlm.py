@@ -290,9 +290,10 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
            f"of every global batch of {cfg.batch}" if world.size > 1 else ""))
     env = demo_report.environment(world.size, device)
     corpus_counts = {f"corpus {k}": v for k, v in corpus_info.items() if k not in ("unigram", "prepare_s")}
-    store = RunStore(out, ["dense", "comera"], fingerprint(cfg, ("out", "progress", "resume"), env, **corpus_counts),
-                     resume=cfg.resume, main=world.main, log=log)
-    with store.training("demo"), arithmetic(cfg.arithmetic(), device):
+    store = RunStore(out, ["dense", "comera"], fingerprint(cfg, ("out", "progress", "resume"), env, paths=("data",),
+                                                           **corpus_counts),
+                     command="demo", resume=cfg.resume, main=world.main, log=log)
+    with store.training(), arithmetic(cfg.arithmetic(), device):
         if "dense" not in store.runs:
             store.save("dense", train_one("dense", dense, cfg, data, dense_encoder, world=world))
         del dense  # its memory is not the CoMERA run's
@@ -310,6 +311,7 @@ def _run(cfg: DemoConfig, world: World, log: Callable[[str], None]) -> dict[str,
         "dense_params": {"encoder": dense_encoder, "model": dense_total},
         **env,
         "runs": runs,
+        "resumed": store.kept,
     }
     return demo_report.finish(result, demo_report.summarize, world.main, out, t_start, demo_report.format_table,
                               demo_report.plot, log)

@@ -140,11 +140,22 @@ def format_table(result: dict[str, Any]) -> str:
                  f"{precision_words(result['runs']['dense'])}; size "
                  f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
-                 f"files never trained on; wall time {result['wall_time_s']:.0f} s")
+                 f"files never trained on; {wall_words(result, {'dense': 'dense', 'comera': 'CoMERA'})}")
     skipped = skipped_words(result["runs"], {"dense": "dense", "comera": "CoMERA"})
     if skipped:
         lines.append(skipped)
     return "\n".join(lines)
+
+
+def wall_words(result: dict[str, Any], labels: dict[str, str]) -> str:
+    """The command's wall time, and under --resume which runs it kept from an earlier command (their time is
+    not in it)."""
+    words = f"wall time {result['wall_time_s']:.0f} s"
+    kept = result.get("resumed") or []
+    if kept:
+        words += (f" for this command, which kept {', '.join(labels.get(n, n) for n in kept)} from an earlier one "
+                  f"(--resume)")
+    return words
 
 
 def skipped_words(runs: dict[str, dict[str, Any]], labels: dict[str, str]) -> str | None:

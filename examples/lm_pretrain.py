@@ -118,10 +118,11 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     log(f"dense: {dense_params['total']:,} parameters, {dense_params['decoder']:,} in the decoder layers")
     env = demo_report.environment(world.size, device)
     # each run is also evaluated at the first method's final token count: a run kept must have been too
-    store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, data_source=data.source,
-                                               vocab_size=data.vocab_size, evaluated_beside=methods[0]),
-                     resume=cfg.resume, main=world.main, log=log)
-    with store.training("pretrain"), arithmetic(cfg.arithmetic(), device):
+    store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, paths=("data", "tokenizer"),
+                                               data_source=data.source, vocab_size=data.vocab_size,
+                                               evaluated_beside=methods[0]),
+                     command="pretrain", resume=cfg.resume, main=world.main, log=log)
+    with store.training(), arithmetic(cfg.arithmetic(), device):
         for method in methods:
             if method in store.runs:
                 continue
@@ -147,6 +148,7 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
         "dense_params": dense_params,
         **env,
         "runs": {m: store.runs[m] for m in methods},
+        "resumed": store.kept,
     }
     return demo_report.finish(result, lm_report.summarize, world.main, out, t_start, lm_report.format_table,
                               lm_report.plot, log)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from comera_compile.examples.demo_report import (NO_STEADY_STEP, precision_words, ratio, reach_time, skipped_words,
-                                                 smooth)
+                                                 smooth, wall_words)
 
 __all__ = ["LABELS", "mean_rank", "summarize", "format_table", "plot"]
 
@@ -179,15 +179,17 @@ def format_table(result: dict[str, Any]) -> str:
         "",
         f"Llama {cfg['preset']!r}: hidden {model['hidden']}, intermediate {model['intermediate']}, {model['heads']} "
         f"heads, {model['layers']} layers, vocabulary {model['vocab_size']:,}; dense {dense['total']:,} parameters "
-        f"({dense['decoder']:,} in the decoder layers). CoMERA from TT rank {cfg['rank']}; GaLore rank "
-        f"{cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale {cfg['galore_scale']:g}.",
+        f"({dense['decoder']:,} in the decoder layers)."
+        + (f" CoMERA from TT rank {cfg['rank']}." if "comera" in runs else "")
+        + (f" GaLore rank {cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale "
+           f"{cfg['galore_scale']:g}." if "galore" in runs else ""),
         f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the same "
         f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, "
         f"{cfg['warmup_steps']} warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient "
         f"clipping {cfg['clip']}; seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
-        f"Wall time {result['wall_time_s']:.0f} s.",
+        f"W{wall_words(result, LABELS)[1:]}.",
     ]
     repeated = [f"{LABELS[n]} {runs[n]['passes']:.1f}" for n in names if (runs[n].get("passes") or 0) > 1]
     if repeated:

@@ -16,11 +16,21 @@ from comera_compile.examples.code_data import DemoError
 __all__ = ["fingerprint", "run_path", "RunStore"]
 
 
-def fingerprint(cfg: Any, skip: tuple[str, ...], env: dict[str, Any], **data: Any) -> dict[str, Any]:
+def _same_path(value: Any) -> Any:
+    """A path field as the file system names it, so that ``./data``, ``data`` and ``~/x/data`` agree."""
+    if isinstance(value, (str, Path)) and str(value) and Path(value).expanduser().exists():
+        return os.path.realpath(Path(value).expanduser())
+    return str(value) if isinstance(value, Path) else value
+
+
+def fingerprint(cfg: Any, skip: tuple[str, ...], env: dict[str, Any], *, paths: tuple[str, ...] = (),
+                **data: Any) -> dict[str, Any]:
     """What a saved run must share with this one for --resume to keep it: the config's fields but `skip`
-    (where it is written, what else trains, how it is shown), the `data` given, and from `env`
-    (demo_report.environment) the device, the process count, the CPU threads and torch's version."""
-    fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items() if k not in skip}
+    (where it is written, what else trains, how it is shown), those in `paths` as the file system names them,
+    the `data` given, and from `env` (demo_report.environment) the device, the process count, the CPU threads
+    and torch's version."""
+    fields = {k: (_same_path(v) if k in paths else str(v) if isinstance(v, Path) else v)
+              for k, v in asdict(cfg).items() if k not in skip}
     where = {k: env[k] for k in ("device", "processes", "threads", "torch")}
     return json.loads(json.dumps({**fields, **data, **where}))   # as a saved one reads back: tuples as lists
 
@@ -31,15 +41,17 @@ def run_path(out: Path, name: str) -> Path:
 
 
 class RunStore:
-    """The finished runs of `names` in `out`: ``runs`` holds those --resume kept (every saved one trained with
-    the same fingerprint; DemoError naming what differs for one that was not), ``save`` keeps a new one on the
-    main process, and ``training()`` says, when the runs stop early, what was kept and how to go on."""
+    """The finished runs of `names` in `out` for `command` (demo, pretrain): ``runs`` holds those --resume kept
+    (every saved one trained by the same command with the same fingerprint; DemoError naming what differs for
+    one that was not), ``kept`` their names, ``save`` keeps a new one on the main process, and ``training()``
+    says, when the runs stop early, what was kept and how to go on."""
 
-    def __init__(self, out: Path, names: list[str], fingerprint: dict[str, Any], *, resume: bool, main: bool,
-                 log: Callable[[str], None]) -> None:
-        self.out, self.names, self.main, self.log = Path(out), list(names), main, log
-        self.fingerprint = fingerprint
+    def __init__(self, out: Path, names: list[str], fingerprint: dict[str, Any], *, command: str, resume: bool,
+                 main: bool, log: Callable[[str], None]) -> None:
+        self.out, self.names, self.main, self.log, self.command = Path(out), list(names), main, log, command
+        self.fingerprint = {"command": command, **fingerprint}
         self.runs: dict[str, dict[str, Any]] = {}
+        self.kept: list[str] = []
         if main:   # found now, not after the first model trained
             try:
                 (self.out / "runs").mkdir(parents=True, exist_ok=True)
@@ -53,6 +65,7 @@ class RunStore:
                 saved = self._load(name)
                 if saved is not None:
                     self.runs[name] = saved
+            self.kept = list(self.runs)
             rest = [n for n in self.names if n not in self.runs]
             log(f"resume: {', '.join(self.runs) or 'no finished run'} kept from {self.out}"
                 + (f"; training {', '.join(rest)}" if rest else ""))
@@ -75,9 +88,13 @@ class RunStore:
         except (ValueError, KeyError, TypeError) as e:
             raise DemoError(f"--resume: {path} is not a run this command saved ({e}); move it away to train "
                             f"{name} again") from e
-        differ = [k for k in sorted(set(self.fingerprint) | set(theirs)) if self.fingerprint.get(k) != theirs.get(k)]
+        if theirs.get("command", self.command) != self.command:   # runs saved before the command was kept: any
+            raise DemoError(f"--resume: {path} was saved by `comera-compile {theirs['command']}`, not "
+                            f"`comera-compile {self.command}`; give this command a new --out")
+        ours = {k: v for k, v in self.fingerprint.items() if k != "command" or "command" in theirs}
+        differ = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
         if differ:
-            said = ", ".join(f"{k} {theirs.get(k)!r} there, {self.fingerprint.get(k)!r} here" for k in differ)
+            said = ", ".join(f"{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in differ)
             raise DemoError(f"--resume: {name}'s run in {path} was trained differently ({said}); give the options "
                             f"it ran with, or a new --out")
         return run
@@ -94,7 +111,7 @@ class RunStore:
         tmp.replace(path)
 
     @contextlib.contextmanager
-    def training(self, command: str) -> Iterator[None]:
+    def training(self) -> Iterator[None]:
         """Around the training: if it stops before every run finished, name the kept ones and the command
         that goes on."""
         try:
@@ -102,7 +119,7 @@ class RunStore:
         except BaseException as e:
             if self.runs and len(self.runs) < len(self.names):
                 self.log(f"\nstopped: {', '.join(self.runs)} finished and kept in {self.out / 'runs'}; the same "
-                         f"`comera-compile {command}` with --resume --out {self.out} trains only the rest")
+                         f"`comera-compile {self.command}` with --resume --out {self.out} trains only the rest")
             if isinstance(e, KeyboardInterrupt):   # the hint is the message: no traceback
                 raise SystemExit(130) from None
             raise

@@ -439,6 +439,7 @@ def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_th
     printed = capsys.readouterr().out
     assert "resume: dense, comera kept from" in printed
     table = (out / "table.md").read_text()
+    assert "for this command, which kept dense, CoMERA from an earlier one (--resume)" in table
     assert table.strip() in printed
     assert (out / "curves.png").stat().st_size > 10_000
     result = json.loads((out / "results.json").read_text())
@@ -518,6 +519,8 @@ def test_a_run_stopped_by_ctrl_c_after_replacing_another_resumes_and_evaluates_b
     out = tmp_path / "run"
     args = ["pretrain", "--preset", "micro", "--out", str(out), "--methods", "dense,comera", *MICRO_ARGS]
     assert main(args) == 0
+    table = (out / "table.md").read_text()   # the footer names what ran, and no GaLore settings
+    assert "CoMERA from TT rank 4." in table and "GaLore" not in table and "which kept" not in table
     real, trained, stop_in = lp.train_one, [], {"comera"}
 
     def train_one(method, *a, **k):
@@ -539,3 +542,42 @@ def test_a_run_stopped_by_ctrl_c_after_replacing_another_resumes_and_evaluates_b
     with pytest.raises(SystemExit, match=r"comera's run .* differently \(evaluated_beside 'dense' there, 'comera'"):
         main(["pretrain", "--preset", "micro", "--out", str(out), "--methods", "comera", *MICRO_ARGS,
               "--lr", "2e-3", "--resume"])
+
+
+def test_resume_keeps_runs_of_the_same_command_and_data_however_its_path_is_written(tmp_path, monkeypatch):
+    """--resume compares `--data ./text`, `text` and its absolute path as one folder; a run another command
+    saved in the folder is refused in one line naming that command; a run saved before the command was
+    recorded is still kept."""
+    from dataclasses import dataclass
+
+    from comera_compile.examples.code_data import DemoError
+    from comera_compile.examples.run_store import RunStore, fingerprint, run_path
+
+    @dataclass
+    class Cfg:
+        data: str
+        batch: int = 2
+
+    (tmp_path / "text").mkdir()
+    monkeypatch.chdir(tmp_path)
+    env = {"device": "cpu", "processes": 1, "threads": 1, "torch": torch.__version__}
+    out = tmp_path / "out"
+
+    def store(data, command="pretrain", batch=2):
+        return RunStore(out, ["dense"], fingerprint(Cfg(data, batch), (), env, paths=("data",)), command=command,
+                        resume=True, main=True, log=lambda line: None)
+
+    RunStore(out, ["dense"], fingerprint(Cfg("./text"), (), env, paths=("data",)), command="pretrain",
+             resume=False, main=True, log=lambda line: None).save("dense", {"loss": 1.5})
+    for written in ("text", str(tmp_path / "text"), "./text/"):
+        kept = store(written)
+        assert kept.runs == {"dense": {"loss": 1.5}} and kept.kept == ["dense"]
+    with pytest.raises(DemoError, match=r"differently \(batch 2 there, 4 here\)"):
+        store("text", batch=4)
+    with pytest.raises(DemoError, match=r"saved by `comera-compile pretrain`, not `comera-compile demo`; give this "
+                                        r"command a new --out$"):
+        store("text", command="demo")
+    saved = json.loads(run_path(out, "dense").read_text())
+    del saved["fingerprint"]["command"]   # as an earlier release wrote it
+    run_path(out, "dense").write_text(json.dumps(saved))
+    assert store("text", command="demo").kept == ["dense"]

@@ -48,7 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="model size: " + "; ".join(f"{k}: d_model {v.d_model}, {v.layers} layers, FFN {v.ffn}, "
                                                    f"rank {v.rank}" for k, v in SIZES.items())
                         + f" (default {defaults.size})")
-    # (option, type, what it sets), each a DemoConfig field; the default shown is the demo preset's.
+    # (option, type, what it sets), each a DemoConfig field; the defaults shown are the demo preset's, and the
+    # long preset's where it differs.
     add_config_options(d, (
             ("--minutes", float, "training budget per model, wall clock with compiles, without evaluations"),
             ("--steps", int, "training steps per model (alone: the budget; with --minutes: a cap)"),
@@ -68,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             ("--evals", int, "held-out evaluations per model, at equal marks of the budget"),
             ("--eval-blocks", int, "held-out blocks evaluated"),
             ("--seed", int, "seed of split, init, data order, masks"),
-            ("--max-bytes", int, "training text read, in bytes")), defaults)
+            ("--max-bytes", int, "training text read, in bytes")), defaults, PRESETS)
     d.add_argument("--threads", type=int, default=None, help="intra-op CPU threads (default: torch's, all cores)")
     d.add_argument("--dense-backend", choices=("inductor", "eager"), default=None,
                    help="how the dense model runs: eager, or its encoder layers under torch.compile's Inductor "

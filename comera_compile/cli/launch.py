@@ -30,17 +30,25 @@ def given_options(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str,
     return given
 
 
+def _shown(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)
+
+
 def add_config_options(parser: argparse.ArgumentParser, options: tuple[tuple[str, type, str], ...],
-                       defaults: Any = None) -> None:
+                       defaults: Any = None, presets: dict[str, dict[str, Any]] | None = None) -> None:
     """Options that each set one config field of the same name, from (flag, type, help) rows, default None
-    (the preset's value).  With `defaults` (a config object), a help that names no default ends with the
-    field's."""
+    (the preset's value).  With `defaults` (the default preset's config), a help that names no default ends
+    with the field's; with `presets` (name: the fields it sets), each other preset's value of the field too."""
     for flag, kind, what in options:
-        shown = ""
-        value = getattr(defaults, flag[2:].replace("-", "_")) if defaults is not None else None
+        field = flag[2:].replace("-", "_")
+        value = getattr(defaults, field) if defaults is not None else None
+        others = "; ".join(f"--preset {name}: {_shown(fields[field])}" for name, fields in (presets or {}).items()
+                           if field in fields and fields[field] != value)
         if value is not None and "default" not in what:
-            shown = f" (default {value:g})" if isinstance(value, float) else f" (default {value})"
-        parser.add_argument(flag, type=kind, default=None, help=what + shown)
+            what += f" (default {_shown(value)}" + (f"; {others})" if others else ")")
+        elif others:
+            what += f" ({others})"
+        parser.add_argument(flag, type=kind, default=None, help=what)
 
 
 def launch(nproc: int, argv: list[str], device: str, command: str) -> int:
