@@ -1,7 +1,8 @@
 """The optimizer side of TT training: CoMERA's learning-rate groups, the optimizer's fast implementation,
-float16 loss scaling's GradScaler and its steps, and parameters retired by a rank cut (an optimizer handed
-to the package that still holds one raises instead of training a stale copy).  Hooks are registered per
-optimizer, never process-wide."""
+float16 loss scaling's GradScaler and its steps, and parameters retired by a rank cut (an optimizer that
+still holds one raises instead of training a stale copy).  Hooks are registered per optimizer handed to the
+package, but for the retired-parameter check: one process-wide step pre-hook, registered at the first cut, that
+looks only while a retired parameter is alive."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .distributed import is_sharded
 from .layers import tt_layers
 
 __all__ = ["param_groups", "prefer_fast_implementation", "fused_takes_the_scale", "loss_scaler", "scaled_step",
-           "check_retired", "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR",
+           "retire", "unwrapped", "skipped_step", "watch_overflow", "tt_layers", "CORE_LR_FACTOR",
            "GATE_LR_FACTOR", "FAST_KEY"]
 
 # CoMERA's learning rates relative to the rest of the model (5e-5 / 1e-4 / 1e-3): cores 2x, gates 20x.
@@ -50,10 +52,11 @@ FAST_KEY = "prefer_fast_implementation"
 
 
 # Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
-# that still steps one of them would train a tensor the model no longer uses, silently: check_retired's
-# per-optimizer pre-hook makes that an error.
+# that still steps one of them would train a tensor the model no longer uses, silently: retire's process-wide
+# pre-hook makes that an error, for any optimizer (one the package was never handed, a second one over the
+# gates, torch's LBFGS).
 _RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_WATCHED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Any]" = weakref.WeakKeyDictionary()
+_CHECKING: list[Any] = []   # the process-wide hook's handle, once registered
 
 
 def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
@@ -148,7 +151,8 @@ def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                     f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
                     f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
                     f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
-                    f"update it, or build the optimizer after the cut")
+                    f"update it, or build it again from the model's parameters after each cut (a second "
+                    f"optimizer: in a function given to ra.on_reallocate)")
 
 
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
@@ -201,15 +205,11 @@ def _record_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         _FOUND_INF.pop(optimizer, None)
 
 
-def check_retired(optimizer: torch.optim.Optimizer) -> None:
-    """From now on `optimizer` raises at a step while it holds a parameter a cut retired (its own step
-    pre-hook, registered once)."""
-    if optimizer not in _WATCHED:
-        _WATCHED[optimizer] = optimizer.register_step_pre_hook(_check_not_retired)
-
-
 def retire(params: list[torch.Tensor]) -> None:
-    """Mark parameters a cut replaced: an optimizer under check_retired that still holds one raises."""
+    """Mark parameters a cut replaced: from now on an optimizer that still holds one raises at its step (a
+    process-wide step pre-hook, registered at the first call; it looks only while a retired one is alive)."""
+    if params and not _CHECKING:
+        _CHECKING.append(register_optimizer_step_pre_hook(_check_not_retired))
     for p in params:
         key = id(p)
         _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))

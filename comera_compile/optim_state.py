@@ -9,13 +9,25 @@ from typing import Callable, Iterable
 
 import torch
 
-__all__ = ["replace", "rescale", "restart", "index_select", "SECOND_MOMENTS"]
+__all__ = ["replace", "rescale", "restart", "index_select", "SECOND_MOMENTS", "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
 Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]
 
-# Optimizer state entries that are running averages of the squared gradient (they scale as its square).
-SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "acc_delta")
+# Optimizer state entries that are running averages of a square (the gradient's; Adadelta's acc_delta, of
+# the update's): a rounding averages them over the rotated axes instead of zeroing them.
+SECOND_MOMENTS = ("exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "variance", "acc_delta")
+
+# How torch's optimizers' per-element state scales when a parameter is multiplied by f (its gradient by 1/f):
+# the state is multiplied by f ** power.  Gradient averages -1, squared-gradient averages -2, quantities in the
+# parameter's units +1 (ASGD's average, Rprop's step sizes), squared updates +2 (Adadelta).  Per optimizer
+# where one key means two things: RMSprop's momentum buffer holds grad / sqrt(square_avg), which has no scale.
+# A key not listed is taken for a gradient average.
+SCALE_POWERS: dict[str, int] = {
+    "exp_avg": -1, "exp_inf": -1, "momentum_buffer": -1, "grad_avg": -1, "prev": -1,
+    "exp_avg_sq": -2, "max_exp_avg_sq": -2, "square_avg": -2, "sum": -2, "variance": -2,
+    "acc_delta": 2, "ax": 1, "step_size": 1}
+_SCALE_POWERS_BY_OPTIMIZER: dict[str, dict[str, int]] = {"RMSprop": {"momentum_buffer": 0}}
 
 
 def replace(optimizer: torch.optim.Optimizer | None, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -28,9 +40,13 @@ def replace(optimizer: torch.optim.Optimizer | None, pairs: Iterable[tuple[torch
         return
     pairs = list(pairs)
     swap = {id(old): new for old, new in pairs if old is not new}
-    if swap:
+    if swap:   # the group's own list edited, not replaced: LBFGS keeps a reference to it
         for group in optimizer.param_groups:
-            group["params"] = [swap.get(id(p), p) for p in group["params"]]
+            group["params"][:] = [swap.get(id(p), p) for p in group["params"]]
+        if isinstance(optimizer, torch.optim.LBFGS):   # its history spans all parameters, flattened: restarted
+            optimizer.state.clear()
+            optimizer._numel_cache = None   # its count of the parameters' elements, recounted
+            return
     state = optimizer.state
     for old, new in pairs:
         st = state.get(old) if old is new else state.pop(old, None)
@@ -43,14 +59,18 @@ def _per_element(value: object, p: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.shape == p.shape and value.dim() > 0
 
 
-def rescale(factors: dict[int, torch.Tensor]) -> Transform:
-    """The moments of a gate multiplied by f = factors[id(gate)]: its gradient is 1/f the old one, so first
-    moments are divided by f and second moments by f^2 (in place)."""
+def rescale(factors: dict[int, torch.Tensor], optimizer: torch.optim.Optimizer | None = None) -> Transform:
+    """The state of a gate multiplied by f = factors[id(gate)], carried into the new scale in place: its
+    gradient is 1/f the old one, so first moments are divided by f, second moments by f^2, and so on as
+    SCALE_POWERS says for `optimizer`'s kind (Adam's by default)."""
+    powers = {**SCALE_POWERS, **_SCALE_POWERS_BY_OPTIMIZER.get(type(optimizer).__name__, {})}
+
     def transform(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
         f = factors[id(old)]
         for key, value in st.items():
-            if _per_element(value, new):
-                value.copy_((value.double() / f ** (2 if key in SECOND_MOMENTS else 1)).to(value.dtype))
+            power = powers.get(key, -1)
+            if power and _per_element(value, new):
+                value.copy_((value.double() * f ** power).to(value.dtype))
         return st
     return transform
 

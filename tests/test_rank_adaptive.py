@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import comera_compile as cc
@@ -566,12 +567,47 @@ def test_an_explicit_cut_without_the_optimizer_warns_and_every_attached_optimize
     first, second = (torch.optim.AdamW(param_groups(model)) for _ in range(2))
     ra.attach(first)
     ra.attach(second)  # the one RankAdaptive updates from now on
+    gates = torch.optim.SGD([g for m in model.modules() if isinstance(m, TTLinear) for g in m.gates], lr=0.1)
     _switch_off(model, 0.75)
     assert not ra.step()
     assert ra.cut() > 0
     second.step()
     with pytest.raises(RuntimeError, match="ra.attach"):
         first.step()  # would train cores the model no longer uses
+    with pytest.raises(RuntimeError, match="SGD holds .* ra.on_reallocate"):
+        gates.step()  # never handed to the package: the check covers it all the same
+
+
+def test_lbfgs_goes_on_through_a_cut_as_one_built_on_the_cut_model():
+    """torch's LBFGS keeps the list of its group's parameters and one history over all of them, flattened: after
+    a cut it trains the new cores (it used to step the replaced ones in silence), its history restarted, as an
+    LBFGS built on the cut model does."""
+    torch.manual_seed(0)
+    model = _net(8, 8, dtype=torch.float64)
+    x, y = torch.randn(32, 64, dtype=torch.float64), torch.randn(32, 16, dtype=torch.float64)
+    kw = dict(lr=0.5, max_iter=4, history_size=4)
+    opt = torch.optim.LBFGS(model.parameters(), **kw)
+    ra = RankAdaptive(model, optimizer=opt, cut_every=1, realloc_at=None)
+
+    def steps(m, o, n):
+        def closure():
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+        for _ in range(n):
+            o.step(closure)
+
+    steps(model, opt, 2)
+    _switch_off(model, 0.5)
+    ra.step()
+    assert ra.cut() > 0
+    reference, at_cut = copy.deepcopy(model), model[0].cores[1].detach().clone()
+    steps(model, opt, 3)
+    steps(reference, torch.optim.LBFGS(reference.parameters(), **kw), 3)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
+    assert (model[0].cores[1] - at_cut).abs().max() > 1e-3   # the live cores trained
 
 
 def test_diverged_training_is_named_at_the_next_check():

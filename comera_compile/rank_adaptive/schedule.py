@@ -20,7 +20,7 @@ from .. import distributed as _dist
 from ..gauge import balance, canonicalize
 from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
-from ..optim import check_retired, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
+from ..optim import prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
 from ..optim_state import replace, rescale, restart
 from ..regional import drop_stale_graphs
 from . import cuts
@@ -219,10 +219,10 @@ class RankAdaptive(Reports):
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in a
         wrapper such as accelerate's, the torch optimizer inside).  A step the wrapper or a GradScaler skipped
-        skips here.  It takes its fast implementation and raises at a step while it holds a retired Parameter."""
+        skips here.  It takes its fast implementation; like any optimizer, it raises at a step while it holds a
+        retired Parameter (optim.retire)."""
         self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
         prefer_fast_implementation(self.optimizer)
-        check_retired(self.optimizer)
         watch_overflow(self.optimizer)
 
     def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
@@ -290,7 +290,7 @@ class RankAdaptive(Reports):
         """Balance `layer`, its gates' moments carried into their new scale; returns the slices' importance."""
         importance, factors = balance(layer)
         replace(self.optimizer, [(g, g) for g in layer.gates[:len(factors)]],
-                rescale({id(g): f for g, f in zip(layer.gates, factors)}))
+                rescale({id(g): f for g, f in zip(layer.gates, factors)}, self.optimizer))
         return importance
 
     def _check(self) -> bool:

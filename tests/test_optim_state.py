@@ -1,0 +1,100 @@
+"""Optimizer state carried through a gauge change: a gate multiplied by f keeps the optimizer state that
+the same gradients, seen in the new scale, would have built (torch's optimizers, each with its own keys)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from comera_compile.optim_state import replace, rescale, restart
+
+# Optimizers whose per-element state is built from the gradients alone (no weight decay), so that the
+# state a gradient history divided by f builds is the reference for the rescaled one.  Their eps, added to a
+# gradient (Adamax) or to a root of its square (RMSprop), is set where it does not blur the comparison.
+GRADIENT_STATE = {
+    "Adam": (torch.optim.Adam, {}),
+    "AdamW-amsgrad": (torch.optim.AdamW, {"amsgrad": True, "weight_decay": 0.0}),
+    "Adamax": (torch.optim.Adamax, {"eps": 1e-30}),
+    "NAdam": (torch.optim.NAdam, {}),
+    "RAdam": (torch.optim.RAdam, {}),
+    "Adagrad": (torch.optim.Adagrad, {}),
+    "RMSprop-momentum-centered": (torch.optim.RMSprop, {"momentum": 0.9, "centered": True, "eps": 1e-30}),
+    "SGD-momentum": (torch.optim.SGD, {"momentum": 0.9}),
+    "Adafactor": (getattr(torch.optim, "Adafactor", None), {}),
+}
+
+
+def _stepped(cls: type, kwargs: dict, start: torch.Tensor, grads: list[torch.Tensor]) -> tuple:
+    p = torch.nn.Parameter(start.clone())
+    opt = cls([p], lr=1e-3, **kwargs)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p, opt
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_STATE))
+def test_a_rescaled_gate_s_state_is_the_one_its_gradients_in_the_new_scale_build(name):
+    cls, kwargs = GRADIENT_STATE[name]
+    if cls is None:
+        pytest.skip("this torch has no Adafactor")
+    torch.manual_seed(0)
+    gate = torch.rand(6, dtype=torch.float64) + 0.5
+    grads = [torch.randn(6, dtype=torch.float64) for _ in range(5)]
+    f = torch.tensor([0.01, 0.5, 1.0, 3.0, 40.0, 1000.0], dtype=torch.float64)
+
+    p, opt = _stepped(cls, kwargs, gate, grads)
+    # Reference: the gate in the new scale, fed the gradients it would have had there (1/f the old ones).
+    _, ref = _stepped(cls, kwargs, gate * f, [g / f for g in grads])
+    replace(opt, [(p, p)], rescale({id(p): f}, opt))
+
+    got, want = opt.state[p], next(iter(ref.state.values()))
+    assert sorted(got) == sorted(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-12, msg=f"{name}'s {key}")
+
+
+def test_rprop_steps_on_a_rescaled_gate_as_on_the_old_one_times_f():
+    """Rprop's step sizes are in the parameter's units: carried into the new scale, the steps after the
+    gauge change are f times the steps the old scale would have taken (its updates are scale-equivariant)."""
+    torch.manual_seed(0)
+    target = torch.randn(5, dtype=torch.float64)
+    f = torch.tensor([0.1, 0.5, 2.0, 4.0, 8.0], dtype=torch.float64)
+    p = torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))
+    opt = torch.optim.Rprop([p], lr=0.01)
+
+    def step(param, optimizer, scale):
+        optimizer.zero_grad()
+        ((param / scale - target) ** 2 * torch.arange(1.0, 6.0, dtype=torch.float64)).sum().backward()
+        optimizer.step()
+
+    for _ in range(4):
+        step(p, opt, torch.ones(5, dtype=torch.float64))
+    q = torch.nn.Parameter(p.detach() * f)
+    scaled = torch.optim.Rprop([q], lr=0.01)
+    scaled.load_state_dict(copy.deepcopy(opt.state_dict()))   # loading keeps the tensors
+    replace(scaled, [(q, q)], rescale({id(q): f}, scaled))
+    for _ in range(4):
+        step(p, opt, torch.ones(5, dtype=torch.float64))
+        step(q, scaled, f)
+    torch.testing.assert_close(q.detach(), p.detach() * f, rtol=1e-10, atol=1e-12)
+
+
+def test_a_rounding_keeps_adafactor_s_gate_variance_on_its_bond_s_average():
+    """A rounding rotates a gate's slices: its squared-gradient average (Adafactor's `variance`) is spread
+    evenly over them, not zeroed (a zero variance with the step count kept makes the next update huge)."""
+    adafactor = getattr(torch.optim, "Adafactor", None)
+    if adafactor is None:
+        pytest.skip("this torch has no Adafactor")
+    torch.manual_seed(0)
+    gate = torch.nn.Parameter(torch.rand(4) + 0.5)
+    opt = adafactor([gate])
+    for _ in range(3):
+        gate.grad = torch.randn(4)
+        opt.step()
+    before = opt.state[gate]["variance"].clone()
+    replace(opt, [(gate, gate)], restart)
+    torch.testing.assert_close(opt.state[gate]["variance"], before.mean().expand(4))
