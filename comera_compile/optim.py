@@ -26,10 +26,13 @@ GATE_LR_FACTOR = 20.0
 
 
 def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = None, gate_lr: float | None = None,
-                 weight_decay: float = 0.0) -> list[dict[str, Any]]:
+                 weight_decay: float | None = None) -> list[dict[str, Any]]:
     """CoMERA's three optimizer groups: TT cores (core_lr, default 2 x lr), rank gates (gate_lr, default
     20 x lr) and everything else (lr).  One lr sets all three; RankAdaptive's defaults are tuned for these
-    ratios.  The groups are marked (FAST_KEY) for the optimizer's fast implementation, which an optimizer
+    ratios.  weight_decay, when given, is the cores' and the rest's; left out, they take the optimizer's own
+    (``AdamW(param_groups(model), weight_decay=0.1)``, torch's convention for a key a group omits).  The gates
+    are never decayed: the rank penalty is their regularizer, and a decay beside it would cut ranks the loss
+    needs.  The groups are marked (FAST_KEY) for the optimizer's fast implementation, which an optimizer
     built from them takes when handed to RankAdaptive or compile_step (prefer_fast_implementation); pass
     foreach= or fused= to the optimizer to choose yourself."""
     core_lr = CORE_LR_FACTOR * lr if core_lr is None else core_lr
@@ -40,9 +43,10 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
         gates += list(layer.gates)
     ids = {id(p) for p in cores + gates}
     rest = [p for p in model.parameters() if id(p) not in ids]
-    groups = [{"params": cores, "lr": core_lr, "weight_decay": weight_decay, "name": "tt_cores"},
-              {"params": gates, "lr": gate_lr, "weight_decay": weight_decay, "name": "rank_gates"},
-              {"params": rest, "lr": lr, "weight_decay": weight_decay, "name": "other"}]
+    decay = {} if weight_decay is None else {"weight_decay": weight_decay}
+    groups = [{"params": cores, "lr": core_lr, **decay, "name": "tt_cores"},
+              {"params": gates, "lr": gate_lr, "weight_decay": 0.0, "name": "rank_gates"},
+              {"params": rest, "lr": lr, **decay, "name": "other"}]
     return [{**g, FAST_KEY: True} for g in groups if g["params"]]
 
 

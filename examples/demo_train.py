@@ -140,7 +140,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         torch.cuda.reset_peak_memory_stats(device)
     forward = wrap(model, world)  # the module a step calls (FSDP2 shards `model` itself, before compiling)
     if comera:
-        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr))
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=cfg.lr, weight_decay=0.0))
         ra = cc.RankAdaptive(model, target_ratio=cfg.target_ratio, cut_every=cfg.cut_every, optimizer=opt)
         start_tt = ra.size()
         backend = "comera" if cfg.compile else None

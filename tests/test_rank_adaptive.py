@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.layers import TTLinear
+from comera_compile.layers import TTLinear, tt_layers
 from comera_compile.optim import FAST_KEY, param_groups
 from comera_compile.rank_adaptive import RankAdaptive
 
@@ -716,6 +716,26 @@ def test_param_groups_cover_every_parameter_once():
     assert [g["lr"] for g in groups] == [1e-4, 1e-3, 5e-5]
     ids = [id(p) for g in groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize("where", ["optimizer", "param_groups", "neither"])
+def test_weight_decay_given_to_the_optimizer_or_to_param_groups_decays_all_but_the_gates(where):
+    """AdamW's decoupled decay, with no gradient, multiplies a parameter by 1 - lr * weight_decay: the
+    optimizer's own weight_decay reaches the cores and the rest (torch's convention for a key the groups
+    leave out), param_groups' overrides it, and the rank gates are never decayed."""
+    model = nn.Sequential(cc.tensorize(nn.Linear(64, 64), rank=4, min_features=1), nn.LayerNorm(64))
+    wd = {"optimizer": 0.3, "param_groups": 0.2, "neither": 0.01}[where]   # 0.01: AdamW's default
+    groups = param_groups(model, lr=1e-2, weight_decay=0.2 if where == "param_groups" else None)
+    opt = torch.optim.AdamW(groups, **({"weight_decay": 0.3} if where != "neither" else {}))
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    gates = {id(g) for layer in tt_layers(model).values() for g in layer.gates}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            factor = 1.0 if id(p) in gates else 1 - group["lr"] * wd
+            torch.testing.assert_close(p.detach(), before[id(p)] * factor, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("kwargs,match", [
