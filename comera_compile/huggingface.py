@@ -230,15 +230,20 @@ RA_STATE_NAME = "rank_adaptive.pt"   # RankAdaptive's state, in each of the Trai
 
 def trainer_callback(ra: Any) -> Any:
     """A ``TrainerCallback`` running `ra` (a RankAdaptive) inside ``Trainer``: ``ra.step()`` after every
-    optimizer step (the Trainer's optimizer attached when training begins), ``ra.cut(share=False)`` when training
-    ends.  Each checkpoint the Trainer writes gets ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed
-    from one (``trainer.train(resume_from_checkpoint=...)``) takes it back at the start, so rank adaptation
-    goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is taken back before
-    the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its loss average: the
+    optimizer step (the optimizer of the Trainer that trains attached when each ``train()`` begins), a final
+    ``ra.cut()`` when training ends: of every inactive slice (``share=False``), or, where ``cc.compile_blocks``
+    compiled the model's blocks, at ranks shared by blocks of one shape (``ra.share_allocation``), so that they
+    go on sharing one graph in ``evaluate()`` and ``generate()`` (call ``ra.cut(share=False)`` yourself for the
+    smallest model, each block then compiling its own graph).  Each checkpoint the Trainer writes gets
+    ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed from one
+    (``trainer.train(resume_from_checkpoint=...)``, wherever the checkpoint is) takes it back at the start, so
+    rank adaptation goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is
+    taken back before the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its loss average: the
     loss the model returns in training (a forward hook; callbacks are not given the loss), its micro-batches'
     shares added where the Trainer passed ``num_items_in_batch``, else averaged.  With several processes
     build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be rebuilt mid-training, so
     switched-off slices stay allocated as zeros until the final cut."""
+    import inspect
     import os
 
     import torch
@@ -247,6 +252,23 @@ def trainer_callback(ra: Any) -> Any:
 
     def folder(args: Any, state: Any) -> str:
         return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+
+    def resumed_from(args: Any, state: Any) -> str:
+        """The checkpoint ``train(resume_from_checkpoint=...)`` resumed from.  transformers hands callbacks no
+        path, so it is read from the Trainer's training loop that called this one; failing that, the folder
+        the Trainer writes for this step under output_dir."""
+        frame = inspect.currentframe()
+        while frame is not None:
+            if frame.f_code.co_name == "_inner_training_loop":
+                path = frame.f_locals.get("resume_from_checkpoint")
+                if isinstance(path, (str, os.PathLike)):
+                    return os.fspath(path)
+                break
+            frame = frame.f_back
+        return folder(args, state)
+
+    def compiled_blocks(model: Any) -> bool:
+        return model is not None and any(m.__dict__.get("_comera_compiled_block") for m in model.modules())
 
     def load(checkpoint: str, why: str) -> None:
         path = os.path.join(checkpoint, RA_STATE_NAME)
@@ -274,12 +296,13 @@ def trainer_callback(ra: Any) -> Any:
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                            **kwargs: Any) -> None:
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
-                load(folder(args, state), f"the Trainer resumes at step {state.global_step} and RankAdaptive is "
-                                          f"at step {ra.steps}")
-            if ra.optimizer is None and optimizer is not None:
-                ra.attach(optimizer)   # before the first step: a float16 overflow there is seen and skipped
-            if args.torch_compile and model is not None and any(
-                    m.__dict__.get("_comera_compiled_block") for m in model.modules()):
+                load(resumed_from(args, state), f"the Trainer resumes at step {state.global_step} and "
+                                                f"RankAdaptive is at step {ra.steps}")
+            if optimizer is not None and optimizer is not ra._stepper:
+                # before the first step (a float16 overflow there is seen and skipped); a second Trainer over the
+                # same model brings its own optimizer, which the cuts must update from now on
+                ra.attach(optimizer)
+            if args.torch_compile and compiled_blocks(model):
                 warnings.warn(
                     f"TrainingArguments(torch_compile=True) compiles the whole model with backend "
                     f"{args.torch_compile_backend or 'inductor'!r}, which traces through the blocks that "
@@ -293,7 +316,7 @@ def trainer_callback(ra: Any) -> Any:
             self.losses.clear()
 
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-            if ra.optimizer is None and optimizer is not None:
+            if optimizer is not None and optimizer is not ra._stepper:
                 ra.attach(optimizer)   # accelerate's wrapper: attach takes the torch optimizer inside
             loss = None
             if self.hook is not None and not self.losses and not self.warned:
@@ -316,11 +339,11 @@ def trainer_callback(ra: Any) -> Any:
             if state.is_world_process_zero and os.path.isdir(folder(args, state)):
                 torch.save(ra.state_dict(), os.path.join(folder(args, state), RA_STATE_NAME))
 
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
             best = state.best_model_checkpoint
             if args.load_best_model_at_end and best is not None:   # the Trainer loaded that one's weights
                 load(best, f"the Trainer loaded the best checkpoint's weights ({best})")
-            ra.cut(share=False)
+            ra.cut(share=None if compiled_blocks(model) else False)
             if self.hook is not None:
                 self.hook.remove()
                 self.hook = None

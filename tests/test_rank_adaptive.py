@@ -1016,19 +1016,23 @@ def test_the_trainer_resumes_a_checkpoint_taken_after_a_reallocation_as_the_run_
     """A run that re-allocated at step 2 and saved a checkpoint at step 3 (``save_steps``), resumed from it by
     ``trainer.train(resume_from_checkpoint=...)`` on a freshly tensorized model (full ranks; with the
     Trainer's own optimizer, or one built from ``cc.param_groups`` before the Trainer), ends at step 6 where
-    the run that never stopped ends: the same parameters (float64, 1e-10), ranks and RankAdaptive state.
-    Without the RankAdaptive state in the checkpoint, resuming is an error that says what to load."""
+    the run that never stopped ends: the same parameters (float64, 1e-10), ranks and RankAdaptive state.  The
+    resumed run writes to another folder, which holds a checkpoint-3 of another run: the state comes from the
+    checkpoint named.  Without the RankAdaptive state in it, resuming is an error that says what to load."""
     transformers = pytest.importorskip("transformers")
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (48, 16), generator=g)]
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "checkpoint-3").mkdir(parents=True)
+    torch.save(RankAdaptive(_tiny_llama(transformers)).state_dict(), elsewhere / "checkpoint-3" / "rank_adaptive.pt")
 
     def run(resume=None):
         model = _tiny_llama(transformers)
         ra = RankAdaptive(model, cut_every=2, realloc_at=1.0)
         opts = (torch.optim.AdamW(param_groups(model, lr=1e-3)), None) if optimizer == "param_groups" else (None, None)
         args = transformers.TrainingArguments(
-            str(tmp_path), max_steps=6, save_steps=3, per_device_train_batch_size=8, learning_rate=1e-3,
-            report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True, seed=0)
+            str(tmp_path if resume is None else elsewhere), max_steps=6, save_steps=3, per_device_train_batch_size=8,
+            learning_rate=1e-3, report_to=[], logging_steps=1, use_cpu=True, disable_tqdm=True, seed=0)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=opts,
                                        callbacks=[_SwitchOff(ra, transformers), ra.trainer_callback()])
         trainer.train(resume_from_checkpoint=resume)
@@ -1047,9 +1051,80 @@ def test_the_trainer_resumes_a_checkpoint_taken_after_a_reallocation_as_the_run_
         torch.testing.assert_close(p, want[name], rtol=1e-10, atol=1e-12, msg=name)
 
     (tmp_path / "checkpoint-3" / "rank_adaptive.pt").unlink()
-    with pytest.raises(FileNotFoundError, match="resumes at step 3 and RankAdaptive is at step 0, but .*"
-                                                "rank_adaptive.pt does not exist"):
+    with pytest.raises(FileNotFoundError, match="resumes at step 3 and RankAdaptive is at step 0, but "
+                                                f"{tmp_path / 'checkpoint-3' / 'rank_adaptive.pt'} does not exist"):
         run(str(tmp_path / "checkpoint-3"))
+
+
+def test_a_second_trainer_over_the_same_model_trains_and_cuts_with_its_own_optimizer(tmp_path):
+    """Two phases, two Trainers, one model and one RankAdaptive: the second Trainer's optimizer is attached
+    when its training begins, so its re-allocation cuts the optimizer that trains (the first one's learning
+    rate had decayed to 0, which the proximal step read, and its cut left the second optimizer on retired
+    cores: an error)."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (32, 16), generator=g)]
+    model = _tiny_llama(transformers)
+    ra = RankAdaptive(model, cut_every=2, realloc_at=1.0)
+    trainers = []
+    for phase, before in enumerate([(1,), (5,)]):
+        args = transformers.TrainingArguments(
+            str(tmp_path / f"phase{phase}"), max_steps=4, per_device_train_batch_size=8, learning_rate=1e-3,
+            lr_scheduler_type="linear" if phase == 0 else "constant", save_strategy="no", report_to=[],
+            use_cpu=True, disable_tqdm=True)
+        trainers.append(transformers.Trainer(model=model, args=args, train_dataset=data,
+                                             callbacks=[_SwitchOff(ra, transformers, before), ra.trainer_callback()]))
+        trainers[-1].train()
+        assert ra.cuts == phase + 1
+    second = trainers[1].optimizer.optimizer   # accelerate's wrapper holds the torch optimizer
+    assert ra.optimizer is second and second.param_groups[0]["lr"] == 1e-3
+    assert {id(p) for group in second.param_groups for p in group["params"]} == {id(p) for p in model.parameters()}
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_trainer_s_final_cut_keeps_compiled_blocks_on_one_graph(compiled, tmp_path):
+    """Layers left at different active ranks: with cc.compile_blocks, the final cut keeps one rank per bond
+    for the blocks (the largest active one, the rest gated off), so evaluate() compiles one graph for the
+    layers, not one per layer up to dynamo's limit and the rest eager; the model's function is the same.
+    Without compiled blocks it cuts every inactive slice, each layer at its own ranks."""
+    transformers = pytest.importorskip("transformers")
+    from comera_compile.regional import eager_blocks
+    torch.manual_seed(0)
+    model = cc.tensorize(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32)), rank=6, min_features=32)
+    ra = RankAdaptive(model, cut_every=2, realloc_at=None)
+    if compiled:
+        cc.compile_blocks(model, backend="eager")
+
+    class Distinct(transformers.TrainerCallback):   # layer i: i slices of q_proj's middle bond off
+        @torch.no_grad()
+        def on_step_end(self, *args, **kwargs):
+            if ra.steps == 1:
+                for i, layer in enumerate(model.model.layers):
+                    layer.self_attn.q_proj.gates[1][:i] = 0
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (40, 16), generator=g)]
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=8,
+                                          save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data[:32], eval_dataset=data[32:],
+                                   callbacks=[Distinct(), ra.trainer_callback()])
+    trainer.train()
+    ranks = [layer.self_attn.q_proj.spec.ranks[2] for layer in model.model.layers]   # gates[1]'s bond
+    batch = torch.stack([d["input_ids"] for d in data[32:]])
+    with torch.no_grad():
+        want = model.eval()(batch).logits
+    if not compiled:
+        assert ranks == [6, 5, 4, 3]
+        return
+    assert ranks == [6, 6, 6, 6]
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    trainer.evaluate()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1 and not eager_blocks(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(batch).logits, want)
 
 
 def test_attaching_something_that_is_no_optimizer_is_an_error():
