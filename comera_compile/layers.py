@@ -232,10 +232,12 @@ class TTLayer(nn.Module):
     @torch.no_grad()
     def _fill_dense(self, dense: nn.Module) -> nn.Module:
         """`dense` (a freshly built dense layer of this layer's shape) given this layer's weight, its
-        parameters' requires_grad and its train/eval mode."""
+        parameters' requires_grad (the weight's: the cores'; the bias keeps its own) and its train/eval mode."""
         dense.weight.copy_(self.to_dense())
-        for p in dense.parameters():
-            p.requires_grad_(self.cores[0].requires_grad)
+        trains = any(core.requires_grad for core in self.cores)
+        for name, p in dense.named_parameters():
+            own = getattr(self, name, None) if name != "weight" else None
+            p.requires_grad_(own.requires_grad if isinstance(own, torch.Tensor) else trains)
         dense.train(self.training)
         return dense
 

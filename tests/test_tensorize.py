@@ -528,6 +528,33 @@ def test_frozen_layers_stay_frozen_and_rank_adaptive_leaves_them_alone():
         cc.RankAdaptive(cc.tensorize(model.requires_grad_(False), rank=8, min_features=1))
 
 
+def test_a_frozen_weight_beside_a_trainable_bias_is_kept_by_rank_adaptive_and_densify():
+    """Bias-only fine-tuning: the weight frozen, the bias training.  RankAdaptive leaves the layer's weight
+    exactly as it is (it used to adapt the layer, its gauge steps moving the frozen weight by ~10%), the bias
+    trains, and densify gives each dense parameter its own flag back (it used to copy the cores' to the bias)."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    model.up.weight.requires_grad_(False)
+    model.down.bias.requires_grad_(False)
+    tt = cc.tensorize(model, rank=8, min_features=1)
+    weight = tt.up.to_dense().detach().clone()
+    bias = tt.up.bias.detach().clone()
+    opt = torch.optim.AdamW([p for p in tt.parameters() if p.requires_grad], lr=1e-2)
+    with pytest.warns(UserWarning, match=r"leaves 1 frozen TT layer\(s\) at their ranks \(up\)"):
+        ra = cc.RankAdaptive(tt, optimizer=opt, cut_every=2, realloc_at=None)
+    ids = torch.randint(0, 100, (4, 6))
+    for _ in range(30):   # three gauge balances (every 10 steps) and checks every 2
+        loss = ra.loss(tt(ids).square().mean())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step(loss)
+    assert torch.equal(tt.up.to_dense(), weight) and not torch.equal(tt.up.bias, bias)
+    dense = cc.densify(tt)
+    assert {n: p.requires_grad for n, p in dense.named_parameters()} == {
+        n: p.requires_grad for n, p in model.named_parameters()}
+
+
 class _LoRALinear(nn.Linear):
     """A LoRA adapter in the shape loralib gives it: a low-rank update whose B starts at zero."""
 

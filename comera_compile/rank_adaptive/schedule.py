@@ -114,20 +114,23 @@ def _check_arguments(tau: Any, gamma: Any, target_ratio: Any, late_stage_at: Any
 
 
 def _trainable_layers(model: nn.Module) -> dict[str, TTLayer]:
-    """The TT layers RankAdaptive adapts: every one but the frozen (no parameter requiring grad), which are
-    the user's to keep as they are (a warning names them)."""
+    """The TT layers RankAdaptive adapts: every one whose cores and gates all train.  A layer with a frozen
+    core or gate (requires_grad=False; its bias may train, as in bias-only fine-tuning) is the user's to keep
+    as it is: the gauge steps and cuts would change its weight (a warning names them)."""
     every = tt_layers(model)
     if not every:
         raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
                          f"(model = comera_compile.tensorize(model))")
-    layers = {n: m for n, m in every.items() if any(p.requires_grad for p in m.parameters())}
+    layers = {n: m for n, m in every.items() if all(p.requires_grad for p in [*m.cores, *m.gates])}
     frozen = [n for n in every if n not in layers]
     if not layers:
-        raise ValueError(f"every TT layer of {type(model).__name__} is frozen (requires_grad=False): nothing "
-                         f"for RankAdaptive to adapt; unfreeze the layers it should adapt")
+        raise ValueError(f"every TT layer of {type(model).__name__} is frozen (a core or gate with "
+                         f"requires_grad=False): nothing for RankAdaptive to adapt; unfreeze the layers it should "
+                         f"adapt")
     if frozen:
         warnings.warn(f"RankAdaptive leaves {len(frozen)} frozen TT layer(s) at their ranks "
-                      f"({', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''})", stacklevel=3)
+                      f"({', '.join(frozen[:4])}{', ...' if len(frozen) > 4 else ''}): a core or gate with "
+                      f"requires_grad=False, its weight kept as it is", stacklevel=3)
     return layers
 
 
