@@ -15,6 +15,10 @@ __all__ = ["balance", "canonicalize", "frobenius_norm"]
 # rescaled by it.
 _NEGLIGIBLE = 1e-6
 
+# In a layer held in 16 bits, a slice is rescaled only where one of its factors is off 1 by more than this: each
+# rescale rounds its entries again (bfloat16: 0.4%), and balancing every 10 steps, those roundings added up.
+_SLACK_16_BIT = 0.05
+
 # Below this fraction of its bond's largest, canonicalize gives a singular direction a zero gate (dropped).
 # A direction kept far below this leaves its core slices at 1/sigma between two near-zero gates, out of the
 # balanced gauge's sight, and the next optimizer steps can blow the layer up (docs/method.md section 4).
@@ -62,7 +66,8 @@ def balance(layer: TTLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     L_k gets unit-norm columns, its right half R_k rows of norm s_k, and gate entry j becomes
     ||L_k[:, j] g_j R_k[j, :]|| / s_k, s_k the bond's largest such norm.  Returns each bond's term norms
     relative to the layer's Frobenius norm (comparable across layers), and the factor f (float64) each gate
-    was multiplied by: its optimizer moments belong in the new scale (optim_state.rescale)."""
+    was multiplied by: its optimizer moments belong in the new scale (optim_state.rescale).  A layer in 16
+    bits is balanced to within _SLACK_16_BIT: a slice nearer than that keeps its entries unrounded."""
     n = len(layer.cores)
     if n < 2:
         return [], []
@@ -70,6 +75,7 @@ def balance(layer: TTLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     g = [x.detach().double() for x in layer.gates]
     left, right = _grams(flat, g)
     norm = _weight_norm(left, right, g)
+    slack = _SLACK_16_BIT if torch.finfo(layer.cores[0].dtype).bits <= 16 else 0.0
     relative, factors = [], []
     for k in range(n - 1):
         a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
@@ -78,6 +84,9 @@ def balance(layer: TTLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         # a slice with no term (a zero gate whose half of the train vanishes) keeps its scale: dividing by a
         # vanishing norm would give its cores entries of 1e30 for nothing
         ok = (a > _NEGLIGIBLE * a.max()) & (b > _NEGLIGIBLE * b.max()) & (s > 0)
+        if slack:
+            off = torch.stack([a, b / s, a * b / s]).log().abs().amax(0)   # each factor's distance from 1
+            ok &= torch.nan_to_num(off, nan=0.0) > slack
         one = torch.ones_like(a)
         fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
         fb = torch.where(ok, s / torch.where(ok, b, one), one)
