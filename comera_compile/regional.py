@@ -119,14 +119,20 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             _eager(block, name, warned, why, fix, remember=False)
             return call_impl(*args, **kwargs)
         # Blocks of one class share graphs: their graphs guard on the hooks of the modules inside (dynamo skips
-        # those guards by default), so a hook on one layer is neither lost nor run on the others
-        hooks_unguarded = config.skip_nnmodule_hook_guards
-        config.skip_nnmodule_hook_guards = False
+        # those guards by default), so a hook on one layer is neither lost nor run on the others.  A block
+        # checkpointed by transformers (gradient_checkpointing_enable) runs its forward in checkpoint's
+        # higher-order op, where dynamo breaks the graph at any side effect, and the block ran eagerly: since
+        # transformers 5.25 every Llama attention sets a context variable (the kernels hub's).  Side effects
+        # there run once, in the forward, not again in the backward's recompute.
+        saved = {name: getattr(config, name) for name in _SETTINGS}
+        for name, value in _SETTINGS.items():
+            setattr(config, name, value)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
             try:
                 return compiled(*args, **kwargs)
             finally:
-                config.skip_nnmodule_hook_guards = hooks_unguarded
+                for name, value in saved.items():
+                    setattr(config, name, value)
         before = getattr(config, flag)
         setattr(config, flag, True)
         try:
@@ -145,9 +151,16 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             return call_impl(*args, **kwargs)
         finally:
             setattr(config, flag, before)
-            config.skip_nnmodule_hook_guards = hooks_unguarded
+            for name, value in saved.items():
+                setattr(config, name, value)
 
     return run
+
+
+# dynamo's settings while a compiled block runs (_dispatch says why); those this torch has
+_SETTINGS = {name: value for name, value in {"skip_nnmodule_hook_guards": False,
+                                             "skip_fwd_side_effects_in_bwd_under_checkpoint": True}.items()
+             if hasattr(torch._dynamo.config, name)}
 
 
 def _eager(block: nn.Module, name: str, warned: set[tuple[type, str]], why: str, fix: str,

@@ -6,6 +6,12 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# Property tests on a shared 2-core machine: a draw or an example that is slow because the machine is busy is
+# not a failure (hypothesis' deadline and too_slow check time the machine, not the code under test).
+settings.register_profile("comera", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("comera")
 
 
 def pytest_configure(config):

@@ -199,15 +199,20 @@ def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eage
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-10, atol=1e-12 * float(want[n].abs().max()), msg=n)
     # Through Inductor, in float32 (torch 2.11's Inductor fails a float64 Llama's attention backward on CPU,
-    # with or without the pass): the gradients of eager float32 autograd.
+    # with or without the pass): gradients as near the float64 ones as eager float32 autograd's.  (Both are
+    # ~1e-3 of a gate's largest gradient off them; compared with each other at 1e-3, seeds failed.)
+    truth = want
+
+    def error(grads):   # the largest relative error of any parameter's gradient, against float64's
+        return max(float((grads[n].double() - truth[n]).abs().max() / truth[n].abs().max()) for n in truth)
+
     model.float().zero_grad(set_to_none=True)
     loss_of(model).backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    eager_error = error({n: p.grad for n, p in model.named_parameters()})
     torch._dynamo.reset()
     model.zero_grad(set_to_none=True)
     loss_of(torch.compile(model, backend="comera", options={"batch_siblings": True})).backward()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=0, atol=1e-3 * float(want[n].abs().max()), msg=n)
+    assert error({n: p.grad for n, p in model.named_parameters()}) < 3 * eager_error < 3e-2
 
 
 class _Boundary(nn.Module):
