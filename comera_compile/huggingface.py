@@ -238,11 +238,11 @@ def trainer_callback(ra: Any) -> Any:
     ``ra.state_dict()`` as RA_STATE_NAME, and a run resumed from one
     (``trainer.train(resume_from_checkpoint=...)``, wherever the checkpoint is) takes it back at the start, so
     rank adaptation goes on as if never stopped; with ``load_best_model_at_end`` the best checkpoint's is
-    taken back before the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its loss average: the
-    loss the model returns in training (a forward hook; callbacks are not given the loss), its micro-batches'
-    shares added where the Trainer passed ``num_items_in_batch``, else averaged.  With several processes
-    build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be rebuilt mid-training, so
-    switched-off slices stay allocated as zeros until the final cut."""
+    taken back before the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its
+    loss average: the loss the model returns in training (a forward hook; callbacks are not given the loss),
+    its micro-batches' shares added where the Trainer passed ``num_items_in_batch``, else averaged.  With
+    several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be rebuilt
+    mid-training, so switched-off slices stay allocated as zeros until the final cut."""
     import inspect
     import os
 
