@@ -124,15 +124,15 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         # higher-order op, where dynamo breaks the graph at any side effect, and the block ran eagerly: since
         # transformers 5.25 every Llama attention sets a context variable (the kernels hub's).  Side effects
         # there run once, in the forward, not again in the backward's recompute.
-        saved = {name: getattr(config, name) for name in _SETTINGS}
-        for name, value in _SETTINGS.items():
-            setattr(config, name, value)
+        saved = {setting: getattr(config, setting) for setting in _SETTINGS}
+        for setting, value in _SETTINGS.items():
+            setattr(config, setting, value)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
             try:
                 return compiled(*args, **kwargs)
             finally:
-                for name, value in saved.items():
-                    setattr(config, name, value)
+                for setting, value in saved.items():
+                    setattr(config, setting, value)
         before = getattr(config, flag)
         setattr(config, flag, True)
         try:
@@ -151,8 +151,8 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             return call_impl(*args, **kwargs)
         finally:
             setattr(config, flag, before)
-            for name, value in saved.items():
-                setattr(config, name, value)
+            for setting, value in saved.items():
+                setattr(config, setting, value)
 
     return run
 
