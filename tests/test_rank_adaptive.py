@@ -915,6 +915,12 @@ def test_an_accelerate_loop_trains_as_the_plain_loop_through_a_reallocation(loop
     (no accumulation) likewise."""
     transformers = pytest.importorskip("transformers")
     accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+    # accelerate keeps its state process-wide: an earlier test's Trainer or Accelerator in this process can
+    # leave gradients marked unsynchronized, or a dataloader it did not finish, which the new Accelerator
+    # takes over (every step then looked skipped).  One process, one Accelerator, as its users run it.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     accumulate = 2 if loop == "accumulate-2" else 1
     g = torch.Generator().manual_seed(1)
     batches = [{"input_ids": torch.randint(0, 96, (4, 16), generator=g)} for _ in range(6 * accumulate)]
