@@ -248,6 +248,8 @@ def trainer_callback(ra: Any) -> Any:
 
     import torch
     from transformers import TrainerCallback
+
+    from .regional import is_compiled_block
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     def folder(args: Any, state: Any) -> str:
@@ -268,7 +270,7 @@ def trainer_callback(ra: Any) -> Any:
         return folder(args, state)
 
     def compiled_blocks(model: Any) -> bool:
-        return model is not None and any(m.__dict__.get("_comera_compiled_block") for m in model.modules())
+        return model is not None and any(is_compiled_block(m) for m in model.modules())
 
     def load(checkpoint: str, why: str) -> None:
         path = os.path.join(checkpoint, RA_STATE_NAME)
@@ -298,7 +300,7 @@ def trainer_callback(ra: Any) -> Any:
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
                 load(resumed_from(args, state), f"the Trainer resumes at step {state.global_step} and "
                                                 f"RankAdaptive is at step {ra.steps}")
-            if optimizer is not None and optimizer is not ra._stepper:
+            if optimizer is not None:
                 # before the first step (a float16 overflow there is seen and skipped); a second Trainer over the
                 # same model brings its own optimizer, which the cuts must update from now on
                 ra.attach(optimizer)
@@ -316,7 +318,7 @@ def trainer_callback(ra: Any) -> Any:
             self.losses.clear()
 
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
-            if optimizer is not None and optimizer is not ra._stepper:
+            if optimizer is not None:
                 ra.attach(optimizer)   # accelerate's wrapper: attach takes the torch optimizer inside
             loss = None
             if self.hook is not None and not self.losses and not self.warned:

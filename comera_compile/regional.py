@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["repeated_blocks", "compile_block", "compile_blocks", "cache_off_by_default", "eager_blocks",
-           "drop_stale_graphs"]
+__all__ = ["repeated_blocks", "compile_block", "compile_blocks", "is_compiled_block", "cache_off_by_default",
+           "eager_blocks", "drop_stale_graphs"]
 
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the members of each outermost ModuleList or Sequential whose members
@@ -73,6 +73,11 @@ def _compile_block(block: nn.Module, name: str | None, warned: set[tuple[type, s
     block._compiled_call_impl = _dispatch(block, compiled, name or type(block).__name__,
                                           bool(compile_kwargs.get("fullgraph", False)), warned)
     block.__dict__["_comera_compiled_block"] = True   # (a plain attribute: not in state_dict or repr)
+
+
+def is_compiled_block(module: nn.Module) -> bool:
+    """Whether compile_block (or compile_blocks) compiled `module`."""
+    return bool(module.__dict__.get("_comera_compiled_block"))
 
 
 @functools.cache
@@ -201,7 +206,7 @@ def drop_stale_graphs(model: nn.Module) -> int:
         forward = getattr(type(m).forward, "__code__", None)
         if forward is not None:
             codes.add(forward)
-        if m.__dict__.get("_comera_compiled_block"):
+        if is_compiled_block(m):
             codes.add(_block_call(type(m)).__code__)
         codes |= m.__dict__.get("_comera_compiled_codes", set())
     if codes:
