@@ -221,14 +221,12 @@ class RankAdaptive(Reports):
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in a
-        wrapper such as accelerate's, the torch optimizer inside).  A step the wrapper or a GradScaler skipped
-        skips here.  It takes its fast implementation; like any optimizer, it raises at a step while it holds a
-        retired Parameter (optim.retire).  Attaching the one attached already does nothing."""
-        if optimizer is self._stepper:
-            return
-        self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
-        prefer_fast_implementation(self.optimizer)
-        watch_overflow(self.optimizer)
+        wrapper such as accelerate's, the torch optimizer inside; a step it or a GradScaler skipped skips here).
+        It takes its fast implementation.  Attaching the one attached already does nothing."""
+        if optimizer is not self._stepper:
+            self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
+            prefer_fast_implementation(self.optimizer)
+            watch_overflow(self.optimizer)
 
     def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
         """Call ``fn(ra)`` after every re-allocation (from ``step()`` or ``cut()``), when the cores are new
