@@ -39,6 +39,7 @@ _EXPORTS: dict[str, str] = {
     "repeated_blocks": "comera_compile.regional",
     "compile_block": "comera_compile.regional",
     "compile_blocks": "comera_compile.regional",
+    "RanEagerlyWarning": "comera_compile.compiled_region",
     "rewritten_graphs": "comera_compile.backend",
     "GraphReport": "comera_compile.logs",
     "profile": "comera_compile.profiling",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:
     from comera_compile.backend import comera_backend, rewritten_graphs
     from comera_compile.step import compile_step
     from comera_compile.regional import compile_block, compile_blocks, repeated_blocks
+    from comera_compile.compiled_region import RanEagerlyWarning
     from comera_compile.logs import GraphReport
     from comera_compile.profiling import LayerProfile, profile
     from comera_compile.step_time import StepBreakdown, breakdown, count_flops, matmul_peak

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import networks
+from . import compiled_region, networks
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting",
@@ -59,15 +59,17 @@ def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator for a TT layer's forward: while torch's profiler records, and outside torch.compile, the
     call runs inside ``record_function("comera.<kind>[<layer name>]")``, so profiler tables and traces name
     each layer's contractions (their backward ops carry the forward ops' sequence numbers, see
-    comera_compile.profiling).  Otherwise it costs one flag check.  Under torch.compile the branch folds away
-    (``is_compiling()`` is a constant to dynamo), so the compiled graph is the same with or without it."""
+    comera_compile.profiling), and a compiled region that runs the layer eagerly warns (compiled_region).  Under
+    torch.compile the branch folds away (``is_compiling()`` is a constant to dynamo): the graph is the same."""
 
     def wrap(forward: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(forward)
         def call(self: "TTLayer", *args: Any, **kwargs: Any) -> Any:
-            if not torch.compiler.is_compiling() and torch.autograd.profiler._is_profiler_enabled:
-                with torch.profiler.record_function(f"comera.{kind}[{self.comera_name or type(self).__name__}]"):
-                    return forward(self, *args, **kwargs)
+            if not torch.compiler.is_compiling():
+                compiled_region.ran_eagerly(self)   # a word where a compiled region runs this layer eagerly
+                if torch.autograd.profiler._is_profiler_enabled:
+                    with torch.profiler.record_function(f"comera.{kind}[{self.comera_name or type(self).__name__}]"):
+                        return forward(self, *args, **kwargs)
             return forward(self, *args, **kwargs)
 
         call.comera_kind = kind   # the range's kind, for compiled profiles (comera_compile.profiling)

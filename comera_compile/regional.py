@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from comera_compile import compiled_region
+
 __all__ = ["repeated_blocks", "compile_block", "compile_blocks", "is_compiled_block", "cache_off_by_default",
            "eager_blocks", "drop_stale_graphs"]
 
@@ -76,8 +78,9 @@ def _compile_block(block: nn.Module, name: str | None, warned: set[tuple[type, s
 
 
 def is_compiled_block(module: nn.Module) -> bool:
-    """Whether compile_block (or compile_blocks) compiled `module`."""
-    return bool(module.__dict__.get("_comera_compiled_block"))
+    """Whether compile_block (or compile_blocks) compiled `module` (a copy, deep or pickled, is not compiled:
+    nn.Module leaves its compiled call out)."""
+    return bool(module.__dict__.get("_comera_compiled_block")) and module._compiled_call_impl is not None
 
 
 @functools.cache
@@ -110,8 +113,10 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
     call_impl = block._call_impl
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or block.__dict__.get("_comera_eager"):   # (in another compile: traced)
+        if torch.compiler.is_compiling():   # in another compile: traced into it
             return call_impl(*args, **kwargs)
+        if block.__dict__.get("_comera_eager") or not compiled_region.dynamo_runs():
+            return _run_eagerly(call_impl, args, kwargs)
         if any(_is_kv_cache(v) for v in (*args, *kwargs.values())):
             why = ("it was handed a transformers KV cache, whose state dynamo guards layer by layer (every layer "
                    "would compile a graph of its own)")
@@ -122,7 +127,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
                 fix = ("pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
                        "which turns the cache off unless a call asks for it")
             _eager(block, name, warned, why, fix, remember=False)
-            return call_impl(*args, **kwargs)
+            return _run_eagerly(call_impl, args, kwargs)
         # Blocks of one class share graphs: their graphs guard on the hooks of the modules inside (dynamo skips
         # those guards by default), so a hook on one layer is neither lost nor run on the others.  A block
         # checkpointed by transformers (gradient_checkpointing_enable) runs its forward in checkpoint's
@@ -132,10 +137,12 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         saved = {setting: getattr(config, setting) for setting in _SETTINGS}
         for setting, value in _SETTINGS.items():
             setattr(config, setting, value)
+        region = compiled_region.enter(type(block), f"compiled block {name} ({type(block).__name__})", block)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
             try:
                 return compiled(*args, **kwargs)
             finally:
+                compiled_region.leave(region)
                 for setting, value in saved.items():
                     setattr(config, setting, value)
         before = getattr(config, flag)
@@ -153,13 +160,23 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             if fullgraph:
                 raise RuntimeError(f"compiled block {name} cannot be compiled: {why}. To fix it, {fix}") from e
             _eager(block, name, warned, why, fix)
-            return call_impl(*args, **kwargs)
+            return _run_eagerly(call_impl, args, kwargs)
         finally:
+            compiled_region.leave(region)
             setattr(config, flag, before)
             for setting, value in saved.items():
                 setattr(config, setting, value)
 
     return run
+
+
+def _run_eagerly(call_impl: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+    """A compiled block's call run eagerly on purpose (said already, or asked for): its TT layers say nothing."""
+    token = compiled_region.enter(None)
+    try:
+        return call_impl(*args, **kwargs)
+    finally:
+        compiled_region.leave(token)
 
 
 # dynamo's settings while a compiled block runs (_dispatch says why); those this torch has

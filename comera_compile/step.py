@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from comera_compile import compiled_region
 from comera_compile.graphs import HostReadError
 from comera_compile.memory import keep_freed_memory
 from comera_compile.micro_batches import (accumulate, averaging_processes, check_row_weights, own_gradients, pack,
@@ -199,7 +200,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
             return forward_loss
         owner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         owner.__dict__.setdefault("_comera_compiled_codes", set()).add(forward_loss.__code__)   # drop_stale_graphs
-        return torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **compile_kwargs)
+        compiled = torch.compile(forward_loss, backend=backend, fullgraph=fullgraph, **compile_kwargs)
+        return compiled_region.watched(compiled, forward_loss, "compile_step's compiled forward and loss", owner)
 
     fwd = compile_forward(kwargs)
     if compile_optimizer:   # torch's own kernels, compiled: the groups' marks asking for fused ones go

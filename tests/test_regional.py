@@ -428,6 +428,15 @@ def test_with_fullgraph_a_block_past_the_recompile_limit_is_an_error(fresh_dynam
         model(torch.randn(2, 8))
 
 
+def test_a_copy_of_compiled_blocks_is_not_compiled_and_says_so():
+    """nn.Module leaves the compiled call out of a deep copy (or a pickle): the copy runs eagerly, as
+    is_compiled_block says (the Trainer callback and drop_stale_graphs read it)."""
+    model = nn.Sequential(*[_Indexed(i) for i in range(2)])
+    cc.compile_blocks(model, backend="eager")
+    assert all(cc.regional.is_compiled_block(b) for b in model)
+    assert not any(cc.regional.is_compiled_block(b) for b in copy.deepcopy(model))
+
+
 def test_cache_off_by_default_leaves_explicit_requests_and_generate_alone():
     model = _model("llama")
     model.eval()

@@ -1,0 +1,120 @@
+"""A TT layer that a compiled region (a compiled block, compile_step's forward and loss) runs eagerly is said,
+once per region, and nothing computed changes; code dynamo compiles on past a graph break, and an eager run
+the user asked for, say nothing.  (The suite makes the warning an error everywhere else: pyproject.toml.)"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+import comera_compile as cc
+from comera_compile.compiled_region import RanEagerlyWarning
+
+WIDTH, LAYERS = 32, 4
+
+
+def _net(how: str) -> nn.Module:
+    """Four residual blocks of two TT layers (float64); `how` says what dynamo meets in each block: "disabled"
+    (the first layer called through a torch.compiler.disable-d method), "break" (a graph break between the
+    layers) or "plain".  A class of its own per call: a warning is said once per block class."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+        @torch.compiler.disable
+        def untraced(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc1(x)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.untraced(x) if how == "disabled" else self.fc1(x)
+            if how == "break":
+                torch._dynamo.graph_break()
+            return x + self.fc2(torch.tanh(h))
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    return cc.tensorize(Net().double(), rank=4, min_features=16)
+
+
+def _steps(model: nn.Module, step=None, n: int = 2) -> list[torch.Tensor]:
+    """n SGD steps on fixed batches, by `step` (a compile_step) or eagerly; the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if step is None else None
+    losses = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(i)
+        x, y = (torch.randn(8, WIDTH, generator=g, dtype=torch.float64) for _ in range(2))
+        if step is not None:
+            losses.append(step(x, y))
+            continue
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def _compiled(model: nn.Module, regional: bool):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return cc.compile_step(model, F.mse_loss, opt, regional=regional, backend="eager")
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
+def test_a_tt_layer_a_compiled_region_runs_eagerly_is_said_once_and_trains_as_eager(regional, fresh_dynamo):
+    model = _net("disabled")
+    eager = copy.deepcopy(model)
+    with pytest.warns(RanEagerlyWarning) as said:
+        got = _steps(model, _compiled(model, regional))
+    ours = [w for w in said if w.category is RanEagerlyWarning]
+    assert len(ours) == 1, [str(w.message) for w in ours]   # four blocks, two steps: one warning
+    message = str(ours[0].message)
+    assert ("compiled block layers.0 (Block) ran its TT layer fc1 " if regional
+            else "compiled forward and loss ran its TT layer layers.0.fc1 ") in message
+    assert "TORCH_LOGS=graph_breaks" in message and "fullgraph=True" in message
+    torch.testing.assert_close(torch.stack(got), torch.stack(_steps(eager)), rtol=1e-10, atol=1e-12)
+
+
+def test_tt_layers_compiled_on_past_a_graph_break_say_nothing(fresh_dynamo):
+    model = _net("break")
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RanEagerlyWarning)
+        got = _steps(model, _compiled(model, regional=True))
+    assert counters["stats"]["unique_graphs"] >= 2   # the block's graph was broken
+    torch.testing.assert_close(torch.stack(got), torch.stack(_steps(eager)), rtol=1e-10, atol=1e-12)
+
+
+def test_an_eager_stance_the_user_asked_for_says_nothing_and_compiled_runs_still_check(fresh_dynamo):
+    model = _net("disabled")
+    step = _compiled(model, regional=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RanEagerlyWarning)
+        with torch.compiler.set_stance("force_eager"):
+            _steps(model, step, n=1)
+    with pytest.warns(RanEagerlyWarning, match="compiled block layers.0"):
+        _steps(model, step, n=1)
