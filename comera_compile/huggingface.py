@@ -241,8 +241,9 @@ def trainer_callback(ra: Any) -> Any:
     taken back before the final cut.  With a late stage (``late_stage_at``) each step's task loss feeds its
     loss average: the loss the model returns in training (a forward hook; callbacks are not given the loss),
     its micro-batches' shares added where the Trainer passed ``num_items_in_batch``, else averaged.  With
-    several processes build RankAdaptive with ``realloc_at=None``: the Trainer's DDP wrapper cannot be rebuilt
-    mid-training, so switched-off slices stay allocated as zeros until the final cut."""
+    several processes RankAdaptive must be built with ``realloc_at=None`` (else an error at the start): the
+    Trainer's DDP wrapper cannot be rebuilt mid-training, so switched-off slices stay allocated as zeros until
+    the final cut."""
     import inspect
     import os
 
@@ -297,6 +298,13 @@ def trainer_callback(ra: Any) -> Any:
 
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                            **kwargs: Any) -> None:
+            if args.world_size > 1 and ra.realloc_at is not None:
+                raise ValueError(
+                    f"RankAdaptive re-allocates the cores during training (realloc_at={ra.realloc_at}), but the "
+                    f"Trainer trains {args.world_size} processes through a data-parallel wrapper it builds once, "
+                    f"which would go on syncing the old cores while the replicas drift apart.  Build it with "
+                    f"cc.RankAdaptive(model, realloc_at=None, ...): switched-off slices then stay allocated as zeros "
+                    f"until this callback cuts them out at the end of training.  Nothing was trained")
             if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
                 load(resumed_from(args, state), f"the Trainer resumes at step {state.global_step} and "
                                                 f"RankAdaptive is at step {ra.steps}")

@@ -566,3 +566,80 @@ def test_processes_that_each_train_their_own_model_say_so_with_a_group_of_one(tm
     for r in (a, b):
         assert "process_group=torch.distributed.new_subgroups(1)[0]" in r["default"], r["default"]
     assert not all(torch.equal(p, q) for p, q in zip(a["own"], b["own"]))   # each kept its own model
+
+
+def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:
+    """transformers' Trainer across the processes (it builds the process group and the DDP wrapper from the
+    launcher's environment), with RankAdaptive's callback: at its defaults (re-allocations mid-training), then
+    with realloc_at=None and a quarter of every gate switched off at step 5."""
+    import os
+
+    import transformers
+
+    import comera_compile as cc
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+            out = self.net(x)
+            return {"loss": nn.functional.cross_entropy(out, labels), "logits": out}
+
+    class SwitchOff(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs) -> None:   # before RankAdaptive's (listed first)
+            if state.global_step == 5:
+                with torch.no_grad():
+                    for layer in ra.layers.values():
+                        for gate in layer.gates:
+                            gate[: gate.numel() // 4] = 0.0
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"x": x, "labels": y} for x, y in zip(torch.randn(256, 64, generator=g),
+                                                  torch.randint(0, 5, (256,), generator=g))]
+    result: dict = {}
+    try:
+        for realloc_at in (2.0, None):
+            model = Regressor()
+            ra = cc.RankAdaptive(model, cut_every=5, realloc_at=realloc_at)
+            args = transformers.TrainingArguments(
+                output_dir=f"{out}-run{rank}", max_steps=15, per_device_train_batch_size=8, learning_rate=1e-3,
+                report_to=[], save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True,
+                ddp_backend="gloo")
+            trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                           callbacks=[SwitchOff(), ra.trainer_callback()])
+            try:
+                trainer.train()
+            except ValueError as e:
+                result[realloc_at] = (str(e), trainer.state.global_step)
+                continue
+            result[realloc_at] = {"params": [p.detach().clone() for p in model.parameters()],
+                                  "ranks": ra.allocated_ranks(), "steps": ra.steps,
+                                  "wrapper": type(trainer.model_wrapped).__name__}
+    finally:
+        torch.save(result, f"{out}.{rank}")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_the_trainer_across_two_processes_refuses_mid_run_reallocations_and_cuts_replicas_alike(tmp_path):
+    """Under the Trainer's DDP wrapper, which it never rebuilds, a re-allocation would leave the wrapper syncing
+    the old cores while the replicas drift apart: RankAdaptive's default is an error before the first step.
+    With realloc_at=None both processes train identical replicas and cut the same slices at the end."""
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "trainer")
+    results = _two_processes(_trainer_worker, out)
+    for r in results:
+        message, step = r[2.0]
+        assert "realloc_at=None" in message and step == 0, (message, step)
+    a, b = (r[None] for r in results)
+    assert a["wrapper"] == "DistributedDataParallel" and a["steps"] == b["steps"] == 15
+    assert a["ranks"] == b["ranks"]
+    assert all(max(r[1:-1]) < 6 for r in a["ranks"].values()), a["ranks"]   # the switched-off quarter is cut out
+    assert max((p - q).abs().max().item() for p, q in zip(a["params"], b["params"])) == 0.0
