@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -315,6 +316,34 @@ def test_trace_of_a_mode_dependent_model_falls_back_to_the_users_module():
     with pytest.warns(UserWarning, match="train/eval"):
         tt = cc.tensorize(_TrainEval(), rank=8, min_features=1, trace=True)
     assert type(tt) is _TrainEval and not tt.comera_summary.traced
+
+
+@pytest.mark.parametrize("how", ["tensorize(trace=True)", "tempo"])
+def test_a_part_in_eval_inside_a_model_in_train_keeps_its_mode_through_a_trace(how):
+    """A frozen backbone (BatchNorm's running statistics, no dropout) in eval inside a model in train: the
+    trace leaves every module's mode as the user set it, in the user's model and in the result."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Dropout(0.5)),
+                          nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64), nn.Dropout(0.0))
+    model.train()
+    model[0].eval()
+    modes = [m.training for m in model.modules()]
+    x = torch.randn(16, 64)
+    with torch.no_grad():
+        want = model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cc.tempo(model) if how == "tempo" else cc.tensorize(model, rank=4, min_features=1, trace=True)
+    assert [m.training for m in model.modules()] == modes
+    frozen = [out.get_submodule(name) for name in ("0", "0.1", "0.2")]   # (a GraphModule: no indexing)
+    assert out.training and not any(m.training for m in frozen)
+    stats = frozen[1].running_mean.clone()
+    with torch.no_grad():
+        got = out(x)
+        torch.testing.assert_close(out(x), got)   # no dropout in the frozen part
+    torch.testing.assert_close(frozen[1].running_mean, stats)   # BatchNorm's statistics read, not updated
+    if how == "tempo":
+        torch.testing.assert_close(got, want)
 
 
 def test_containers_stay_containers():

@@ -27,19 +27,22 @@ class _Tracer(torch.fx.Tracer):
 
 
 def _trace_both_modes(model: nn.Module) -> torch.fx.Graph:
-    """The model's graph in its current mode, after checking that a trace in the other mode gives the same
-    code: a GraphModule freezes the mode it was traced in (dropout after eval(), or none after train())."""
-    was_training = model.training
-    graphs = {}
+    """The model's graph in its modules' current modes, after checking that a trace with every module's mode
+    flipped gives the same code: a GraphModule freezes the modes it was traced in (dropout after eval(), or
+    none after train()).  Each module keeps its own mode (a frozen part in eval inside a model in train)."""
+    modes = {m: m.training for m in model.modules()}
+    graphs = []
     try:
-        for mode in (was_training, not was_training):
-            model.train(mode)
-            graphs[mode] = _Tracer().trace(model)
+        for flipped in (False, True):
+            for m, training in modes.items():   # the flag alone: train() would set every submodule alike
+                m.training = training != flipped
+            graphs.append(_Tracer().trace(model))
     finally:
-        model.train(was_training)
-    if torch.fx.GraphModule(model, graphs[True]).code != torch.fx.GraphModule(model, graphs[False]).code:
+        for m, training in modes.items():
+            m.training = training
+    if torch.fx.GraphModule(model, graphs[0]).code != torch.fx.GraphModule(model, graphs[1]).code:
         raise TypeError("its graph depends on train/eval mode (it reads self.training), which a trace freezes")
-    return graphs[was_training]
+    return graphs[0]
 
 
 def trace_model(model: nn.Module) -> torch.fx.GraphModule:
@@ -59,7 +62,7 @@ def trace_model(model: nn.Module) -> torch.fx.GraphModule:
     for bname, buf in model._buffers.items():
         if bname not in gm._buffers:
             gm.register_buffer(bname, buf, persistent=bname not in model._non_persistent_buffers_set)
-    gm.train(model.training)
+    gm.training = model.training   # its children are the model's, in their own modes
     # Keep plain attributes user code reads (e.g. model.config) available on the GraphModule.
     for key, value in vars(model).items():
         if not key.startswith("_") and key != "training" and not hasattr(gm, key):
