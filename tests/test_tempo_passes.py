@@ -282,6 +282,40 @@ def test_outputs_written_through_a_view_or_setitem_stay_torch_s_ops_under_memory
     torch._dynamo.reset()
 
 
+_IN_PLACE_CALLS = {"F.relu(h, True)": lambda h: F.relu(h, True),
+                   "F.leaky_relu(h, 0.2, True)": lambda h: F.leaky_relu(h, 0.2, True),
+                   "torch.relu_(h)": torch.relu_, "F.hardtanh(h, -1, 1, True)": lambda h: F.hardtanh(h, -1.0, 1.0, True)}
+
+
+@pytest.mark.parametrize("call", list(_IN_PLACE_CALLS))
+@pytest.mark.parametrize("compiled", [False, True], ids=["tempo", "memory=True"])
+def test_outputs_written_by_an_in_place_function_stay_torch_s_ops(call, compiled):
+    """A LayerNorm or GELU output overwritten by a function call that writes its input (inplace given by
+    position, as dynamo keeps it, or a function named with a trailing underscore) stays torch's op, eagerly
+    (cc.tempo) and under memory=True: the gradients are eager's (float64)."""
+    write = _IN_PLACE_CALLS[call]
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.ln = nn.Linear(6, 6), nn.LayerNorm(6)
+
+        def forward(self, x):
+            return write(self.ln(self.lin(x))) * write(F.gelu(self.lin(x)))
+
+    torch.manual_seed(0)
+    model = Writes().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    g = torch.randn(5, 6, dtype=torch.float64)
+    ref = grads_of(lambda a: model(a), [x], g) + [model.lin.weight.grad.clone()]
+    model.zero_grad()
+    run = torch.compile(model, backend="comera", options={"memory": True}) if compiled else tempo(model)
+    got = grads_of(lambda a: run(a), [x], g) + [model.lin.weight.grad.clone()]
+    for a, b in zip(got, ref):
+        close(a, b, torch.float64)
+    torch._dynamo.reset()
+
+
 def test_a_softmax_dtype_given_by_position_keeps_the_softmax():
     """torch.softmax(x, dim, dtype), x.softmax(dim, dtype) and F.softmax(x, dim, _stacklevel, dtype) keep their
     dtype: the attention fusion, which would run the softmax in the scores' dtype, leaves them."""

@@ -2,8 +2,10 @@
 
 GELU is not one-to-one below its minimum x0 = -0.7518 (tanh form: -0.7522), so the branch is kept as a
 bit.  Backward gets the derivative from the output and the branch: in s = sqrt(y - y_min) both branches are
-smooth, and GELU' is tabulated against s (float32: quadratic interpolation, within 1.5e-7, float32 rounding
-level) or the input is recovered by a table guess and three Newton steps (float64: machine precision).
+smooth, and GELU' is tabulated against s (float32: quadratic interpolation, within 1.5e-7 at the exact
+output; torch's float32 output itself is up to 1e-6 off on [-3, -2], where 1 + erf cancels, which puts
+the derivative read from it up to 2.6e-6 off there: docs/method.md) or the input is recovered by a table
+guess and three Newton steps (float64: machine precision).
 Where that is ill-conditioned -- within 0.1 (float64: 0.02) of x0, and below -3 where GELU flattens out --
 the input itself is kept for those few elements (about 6% of N(0, 1) inputs; index and value).  GELU
 followed by dropout is fused: it keeps the dropout output (what the next layer keeps anyway), the dropout
@@ -62,7 +64,7 @@ class _GeluInverse:
     (the square root takes away the fold at the minimum).  Tables at uniform steps of s -- left-branch cells
     first (s = 0 at x0, growing towards the tail), then right-branch cells -- give
     - float32: GELU' directly, by quadratic interpolation within a cell (through its ends and middle): within
-      1.5e-7 of GELU' outside the kept window and tail, i.e. float32 rounding level;
+      1.5e-7 of GELU' at the exact output, outside the kept window and tail;
     - float64: x, by linear interpolation (within 1e-4), then Newton steps to machine precision."""
 
     def __init__(self, approximate: str) -> None:
