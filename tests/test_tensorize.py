@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -482,6 +483,7 @@ def test_hooks_on_a_rewritten_layer_run_on_its_tt_layer(inplace):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(tt.emb.weight.grad, want_grad, rtol=1e-10, atol=1e-10)
     assert seen == [torch.Size([3, 7, 128])] * 2
+    torch.testing.assert_close(cc.densify(tt)(ids), want, rtol=1e-10, atol=1e-10)   # densify keeps them too
     for h in handles:
         h.remove()
     plain = _Mlp().double()
@@ -490,6 +492,80 @@ def test_hooks_on_a_rewritten_layer_run_on_its_tt_layer(inplace):
         torch.testing.assert_close(tt(ids), plain(ids), rtol=1e-10, atol=1e-10)
     else:         # the copy keeps its own hooks, as deepcopy's copies of the other modules do
         torch.testing.assert_close(tt(ids), want, rtol=1e-10, atol=1e-10)
+
+
+def test_each_layer_keeps_its_train_eval_mode_through_tensorize_and_densify():
+    model = _Mlp().double()
+    model.eval()
+    model.up.train()
+    modes = {n: m.training for n, m in model.named_modules()}
+    tt = cc.tensorize(model, rank=8, min_features=1)
+    assert isinstance(tt.up, TTLinear)
+    assert {n: tt.get_submodule(n).training for n in modes} == modes
+    assert {n: m.training for n, m in cc.densify(tt).named_modules()} == modes
+    assert all(not m.training for m in tt.down.modules())   # its ParameterLists too
+
+
+class _MaxNormEmbedding(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids)
+
+
+def test_layers_kept_dense_are_never_run_on_the_user_s_weights():
+    """A subclass of nn.Embedding with max_norm (which renormalizes the rows a lookup reads, in place) is kept
+    dense without a probe lookup through it: the user's table is as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaxNormEmbedding(100, 64, max_norm=1.0), nn.Linear(64, 64))
+    table = model[0].weight.detach().clone()
+    assert table.norm(dim=1).max() > 1.0
+    with pytest.warns(UserWarning, match="max_norm"):
+        tt = cc.tensorize(model, rank=4, min_features=1)
+    assert torch.equal(model[0].weight, table)
+    assert tt.comera_summary.kept_dense["0"].startswith("uses max_norm")
+
+
+def test_a_layer_also_held_in_a_plain_container_stays_dense_with_a_warning():
+    """A forward that calls a layer from a plain dict would run the dense layer whatever tensorize swapped in,
+    and (in a copy) the user's own: such a layer stays dense, said; registered in a ModuleDict, it is
+    rewritten; named in include, it is an error."""
+
+    class Routed(nn.Module):
+        def __init__(self, registered: bool) -> None:
+            super().__init__()
+            self.emb, self.fc = nn.Embedding(100, 64), nn.Linear(64, 64)
+            self.route = nn.ModuleDict({"tok": self.emb}) if registered else {"tok": self.emb}
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.fc(self.route["tok"](ids))
+
+    torch.manual_seed(0)
+    model = Routed(registered=False)
+    with pytest.warns(UserWarning, match=r"emb \(at route\['tok'\]\)"):
+        tt = cc.tensorize(model, rank=4, min_features=1)
+    assert type(tt.emb) is nn.Embedding and tt.route["tok"] is tt.emb and tt.emb is not model.emb
+    tt(torch.randint(0, 100, (8,))).sum().backward()
+    assert tt.emb.weight.grad is not None and model.emb.weight.grad is None   # the copy trains its own
+    with pytest.raises(cc.TensorizeError, match="route"):
+        cc.tensorize(model, rank=4, min_features=1, include="emb")
+    registered = cc.tensorize(Routed(registered=True), rank=4, min_features=1)
+    assert isinstance(registered.route["tok"], TTEmbedding) and registered.route["tok"] is registered.emb
+
+
+def test_tensorize_errors_name_the_fix_and_leave_the_model_untouched():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    with torch.no_grad():
+        model[1].weight[3, 5] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cc.TensorizeError, match=r"'1' \(Linear\) with init='svd': its weight holds NaN"):
+        cc.tensorize(model, rank=4, init="svd", min_features=1)
+    model.lock = threading.Lock()   # no copy of it can be made
+    with pytest.raises(cc.TensorizeError, match="inplace=True"):
+        cc.tensorize(model, rank=4, min_features=1)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, equal_nan=True)
+    assert type(model[0]) is nn.Linear
+    assert isinstance(cc.tensorize(model, rank=4, min_features=1, inplace=True)[0], TTLinear)
 
 
 def test_layers_whose_weight_is_computed_stay_dense_and_say_so():

@@ -9,7 +9,9 @@ found here, so an error leaves the model untouched.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -89,14 +91,15 @@ def _own_forward(mod: nn.Module, kind: str) -> str | None:
     w, gen = mod.weight, torch.Generator().manual_seed(0)
     if kind == "embedding_bag" or w.is_meta or _own_state(mod):
         return f"nn.{base.__name__}"
+    probe = copy.copy(mod)   # attributes the forward sets land on the probe, not on the user's module
     try:   # a different map, output or signature raises: not the base class's forward
         with torch.no_grad():
             if kind == "linear":
                 x = torch.randn(2, mod.in_features, generator=gen).to(w.device, w.dtype)
-                got, want = type(mod).forward(mod, x), nn.functional.linear(x, w, mod.bias)
+                got, want = type(mod).forward(probe, x), nn.functional.linear(x, w, mod.bias)
             else:
                 x = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(w.device)
-                got, want = type(mod).forward(mod, x), nn.functional.embedding(x, w, mod.padding_idx)
+                got, want = type(mod).forward(probe, x), nn.functional.embedding(x, w, mod.padding_idx)
         torch.testing.assert_close(got, want)
         return None
     except Exception:
@@ -201,19 +204,19 @@ def _keep_dense_reason(model: nn.Module, name: str, mod: nn.Module, kind: str, s
         return f"smaller than min_features={opts.min_features}"
     if weight_reason is not None:
         return weight_reason
+    if kind in ("embedding", "embedding_bag") and _unsupported_embedding_options(mod):   # before the probe:
+        unsupported = _unsupported_embedding_options(mod)                                 # max_norm writes rows
+        cls, tt_cls = type(mod).__name__, _TT_CLASS[kind]
+        if explicit:
+            raise TensorizeError(f"cannot tensorize {name!r}: nn.{cls} options {unsupported} are not "
+                                 f"supported by {tt_cls}; exclude it or drop those options")
+        return f"uses {', '.join(unsupported)}, which {tt_cls} does not support"
     base = _own_forward(mod, kind)
     if base is not None:
         if explicit:
             raise TensorizeError(f"cannot tensorize {name!r}: its class {type(mod).__name__} replaces {base}."
                                  f"forward, and a {_TT_CLASS[kind]} computes only {base}'s; exclude it")
         return _custom_reason(mod, kind)
-    if kind in ("embedding", "embedding_bag") and _unsupported_embedding_options(mod):
-        unsupported = _unsupported_embedding_options(mod)
-        cls, tt_cls = type(mod).__name__, _TT_CLASS[kind]
-        if explicit:
-            raise TensorizeError(f"cannot tensorize {name!r}: nn.{cls} options {unsupported} are not "
-                                 f"supported by {tt_cls}; exclude it or drop those options")
-        return f"uses {', '.join(unsupported)}, which {tt_cls} does not support"
     if len(owners.get(id(mod.weight), ())) > 1:
         sharers = sorted(n for n2, m2 in model.named_modules() if id(m2) in owners[id(mod.weight)]
                          for n in [n2 or "the model itself"])
@@ -234,6 +237,8 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
             owners.setdefault(id(p), set()).add(id(m))
     # nn.MultiheadAttention computes with its out_proj's weight directly, never calling the module.
     inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+    held = _held_outside(model)
+    outside: list[str] = []   # kept dense: held in a plain container too, which the forward may call
 
     summary = TensorizeSummary()
     rewrites: list[Rewrite] = []
@@ -252,6 +257,13 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
         key, shape = _find_shape(opts.shapes, name, dims)
         used_shapes.add(key)
         reason = _keep_dense_reason(model, name, mod, kind, shape, opts, inside_mha, owners, tied_groups)
+        if reason is None and id(mod) in held:
+            if opts.include is not None and name in opts.include:
+                raise TensorizeError(f"cannot tensorize {name!r}: the model also holds it at {held[id(mod)]}, "
+                                     f"outside its submodules, where a TT layer cannot replace it; register "
+                                     f"that container as nn.ModuleDict or nn.ModuleList, or exclude it")
+            reason = f"also held at {held[id(mod)]}, outside the submodules, where a TT layer cannot replace it"
+            outside.append(f"{name} (at {held[id(mod)]})")
         if reason is not None:
             summary.kept_dense[name] = reason
             if reason == _custom_reason(mod, kind):
@@ -284,7 +296,40 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     if options:
         warned.append(f"tensorize: kept {len(options)} embedding(s) dense whose nn.Embedding options the TT "
                       f"embeddings do not support ({'; '.join(options[:4])}{'; ...' if len(options) > 4 else ''}).")
+    if outside:
+        warned.append(f"tensorize: kept {len(outside)} layer(s) dense that the model also holds outside its "
+                      f"submodules ({'; '.join(outside[:4])}{'; ...' if len(outside) > 4 else ''}): a forward "
+                      f"calling them from there would run the dense layer, not the TT one.  Register the "
+                      f"container as nn.ModuleDict or nn.ModuleList to tensorize them.")
     return Selection(rewrites, names_of, summary, warned)
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))   # nn.Module's own attributes: submodules, hooks, ...
+
+
+def _held_outside(model: nn.Module) -> dict[int, str]:
+    """The modules that one of the model's modules holds outside the module tree -- in a plain list, tuple,
+    set or dict attribute, directly, or as a bound method's owner -- by id, with where (the first place).
+    tensorize replaces submodules only, so a forward calling a layer from there would run the dense one."""
+    held: dict[int, str] = {}
+
+    def visit(value: Any, where: str, depth: int) -> None:
+        if isinstance(value, nn.Module):
+            held.setdefault(id(value), where)
+        elif inspect.ismethod(value) and isinstance(value.__self__, nn.Module):
+            held.setdefault(id(value.__self__), where)
+        elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
+            for i, item in enumerate(value):
+                visit(item, f"{where}[{i}]", depth + 1)
+        elif depth < 3 and isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, f"{where}[{key!r}]", depth + 1)
+
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if attr not in _MODULE_INTERNALS:
+                visit(value, f"{name}.{attr}" if name else attr, 0)
+    return held
 
 
 def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],

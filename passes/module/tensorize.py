@@ -85,6 +85,9 @@ def _build(rewrite: Rewrite, init: str, d: int | None) -> TTLayer:
     mod, kind, r, shape = rewrite.module, rewrite.kind, rewrite.rank, rewrite.shape
     in_modes = shape.in_modes if shape else None
     out_modes = shape.out_modes if shape else None
+    if init == "svd" and not torch.isfinite(mod.weight).all():
+        raise TensorizeError(f"cannot tensorize {rewrite.name!r} ({type(mod).__name__}) with init='svd': its weight "
+                             f"holds NaN or inf, which a TT-SVD cannot factor; exclude it, or pass init='random'")
     try:
         if kind == "embedding":
             return TTEmbedding.from_dense(mod.weight, mod.padding_idx, rank=r, row_modes=in_modes,
@@ -113,12 +116,19 @@ def build_layers(selection: Selection, options: Options, share_hooks: bool = Fal
             p.requires_grad_(old.weight.requires_grad)
         if getattr(new, "bias", None) is not None:
             new.bias.requires_grad_(old.bias.requires_grad)
-        for attr in _HOOKS:
-            hooks = getattr(old, attr, None)
-            if hooks:
-                setattr(new, attr, hooks if share_hooks else copy.copy(hooks))
+        carry_hooks(old, new, share_hooks)
+        new.train(old.training)
         built.append((old, new))
     return built
+
+
+def carry_hooks(old: nn.Module, new: nn.Module, share: bool) -> None:
+    """Give `new` the forward and backward hooks of the module it replaces: their own dicts (share, in place:
+    the user's handles still remove them) or copies (in a copy of the model)."""
+    for attr in _HOOKS:
+        hooks = getattr(old, attr, None)
+        if hooks:
+            setattr(new, attr, hooks if share else copy.copy(hooks))
 
 
 # nn.Module's dicts of forward and backward hooks (and the flags they are registered with)
@@ -145,7 +155,11 @@ def swap_in(model: nn.Module, built: list[tuple[nn.Module, TTLayer]], names_of: 
         work = model
     else:
         # Share (don't copy) the layers about to be replaced: the copy drops them anyway.
-        work = copy.deepcopy(model, {id(old): old for old, _ in built})
+        try:
+            work = copy.deepcopy(model, {id(old): old for old, _ in built})
+        except Exception as e:   # an attribute deepcopy cannot copy (a lock, a file, an open connection)
+            raise TensorizeError(f"cannot copy the model to rewrite the copy ({type(e).__name__}: {e}); pass "
+                                 f"inplace=True to rewrite the model itself") from e
     for old, new in built:
         for n in names_of[id(old)]:
             _set_submodule(work, n, new)
@@ -192,6 +206,7 @@ def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     for name, layer in layers:
         if id(layer) not in built:  # a layer registered under two names stays one layer
             built[id(layer)] = _dense_layer(layer, summary, name)
+            carry_hooks(layer, built[id(layer)], share=inplace)
         _set_submodule(work, name, built[id(layer)])
     if summary is not None:
         for name, _ in layers:
