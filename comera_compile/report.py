@@ -100,8 +100,9 @@ def _si(x: float) -> str:
 
 def explain(model: nn.Module, rows: int = 1024, tau: float = DEFAULT_TAU) -> Explanation:
     """Per TT layer: qualified name, kind, dense shape, modes (and padding), ranks (active / allocated),
-    dense vs TT parameters, compression, forward FLOPs per row at `rows` rows (and the order used);
-    and totals for the whole model.  Gates with |g| < tau count as switched off."""
+    dense vs TT parameters, compression, forward FLOPs per row at `rows` rows of the order a training
+    forward runs (listed beside them); and totals for the whole model.  Gates with |g| < tau count as
+    switched off."""
     if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
         raise ValueError(f"explain: rows must be a positive integer (the row count FLOPs are reported for), "
                          f"got {rows!r}")
@@ -111,12 +112,13 @@ def explain(model: nn.Module, rows: int = 1024, tau: float = DEFAULT_TAU) -> Exp
             continue
         s = mod.spec
         kind = type(mod).__name__
-        contraction = () if isinstance(mod, TTEmbedding) else mod.plan(rows).equations
+        plan = None if isinstance(mod, TTEmbedding) else mod.plan(rows)   # training's forward: the order listed
+        contraction = () if plan is None else plan.equations
         table.append(LayerRow(
             name=name, kind=kind, dense_shape=(s.in_features, s.out_features), in_modes=s.in_modes,
             out_modes=s.out_modes, padded_shape=(s.in_padded, s.out_padded),
             ranks_active=mod.active_ranks(tau), ranks_allocated=s.ranks, dense_params=s.dense_params(),
-            tt_params=s.num_params(), flops_per_row=mod.flops(rows) / rows,
+            tt_params=s.num_params(), flops_per_row=(mod.flops(rows) if plan is None else plan.flops) / rows,
             dense_flops_per_row=0 if isinstance(mod, TTEmbedding) else 2 * s.in_features * s.out_features,
             contraction=contraction))
     total = sum(p.numel() for p in model.parameters())

@@ -347,6 +347,21 @@ def test_a_part_in_eval_inside_a_model_in_train_keeps_its_mode_through_a_trace(h
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 64, 1024])
+def test_explain_s_flops_are_those_a_training_forward_runs(rows):
+    """explain's FLOPs per row, times the rows, are what torch's flop counter counts in a training forward of
+    the layer (the order explain lists beside them), not another plan's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(64, 128, bias=False)), rank=8, min_features=1)
+    (row,) = cc.explain(model, rows=rows).rows
+    x = torch.randn(rows, 64, requires_grad=True)
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    assert round(row.flops_per_row * rows) == counter.get_total_flops()
+
+
 def test_containers_stay_containers():
     seq = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
     tt = cc.tensorize(seq, rank=4)
