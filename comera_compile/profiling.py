@@ -15,6 +15,7 @@ across layer boundaries, which is why it is an option for profiling runs.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -262,6 +263,12 @@ class _Part(nn.Module):
         self.compile_part = compile_part
         self.label = label
         self.compiled: dict[tuple, Callable] = {}
+        # Inputs the part reads only as Python numbers (x.item(): a float attribute such as LayerNorm's eps,
+        # which dynamo passes as a tensor under dynamic=True): their values are baked into each compile, as
+        # a fresh shape environment would make them unbacked symbols that layer_norm cannot guard on.
+        inputs = list(part.graph.find_nodes(op="placeholder"))
+        self.items = [i for i, n in enumerate(inputs) if n.users and all(
+            u.op == "call_method" and u.target == "item" for u in n.users)]
 
     def _name(self, args: tuple) -> str:
         from comera_compile.layers import layer_of
@@ -274,17 +281,33 @@ class _Part(nn.Module):
         return f"{_PREFIX}{kind}[{path}]"
 
     def forward(self, *args: Any) -> Any:
+        values = tuple(args[i].item() for i in self.items)
         key = tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad)
-                    if isinstance(a, torch.Tensor) else a for a in args)
+                    if isinstance(a, torch.Tensor) else a for a in args) + values
         fn = self.compiled.get(key)
         if fn is None:
-            fn = self.compiled[key] = _compile_with_fake_inputs(self.compile_part, self.part, args)
+            part = _baked_items(self.part, self.items, values)
+            fn = self.compiled[key] = _compile_with_fake_inputs(self.compile_part, part, args)
         if self.label is not None and torch.autograd.profiler._is_profiler_enabled:
             with torch.profiler.record_function(self._name(args)):
                 out = fn(*args)
         else:
             out = fn(*args)
         return out[0] if self.single else out
+
+
+def _baked_items(part: torch.fx.GraphModule, items: list[int], values: tuple) -> torch.fx.GraphModule:
+    """A copy of `part` whose x.item() calls on the inputs at `items` are the constants `values`."""
+    if not items:
+        return part
+    baked = torch.fx.GraphModule(part, copy.deepcopy(part.graph))
+    inputs = list(baked.graph.find_nodes(op="placeholder"))
+    for i, value in zip(items, values):
+        for user in list(inputs[i].users):
+            user.replace_all_uses_with(value)   # (a number where the item was used)
+            baked.graph.erase_node(user)
+    baked.recompile()
+    return baked
 
 
 def _compile_with_fake_inputs(compile_part: Callable[[torch.fx.GraphModule, list], Callable],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,31 @@ def test_bench_profile_on_a_missing_cuda_device_says_what_to_do():
 
     with pytest.raises(SystemExit, match="no CUDA device.*--device cpu"):
         main(["bench", "--profile", "1", "--device", "cuda"])
+
+
+def test_the_profile_option_under_dynamic_shapes_computes_what_eager_does():
+    """With dynamic=True dynamo hands LayerNorm's eps to the graph as a tensor read by .item(); each profiled
+    part bakes the value in (it failed to compile: a data-dependent guard in layer_norm).  Outputs and
+    gradients are eager's (float64), for two batch sizes."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.norm, self.fc2 = nn.Linear(64, 128), nn.LayerNorm(128, eps=1e-3), nn.Linear(128, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(self.norm(torch.relu(self.fc1(x))))
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = cc.tensorize(Net(), rank=8, min_features=16).double()
+    model = copy.deepcopy(eager)
+    compiled = torch.compile(model, backend="comera", dynamic=True, options={"profile": True})
+    for rows in (6, 11):
+        x = torch.randn(rows, 64, dtype=torch.float64)
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-12, atol=1e-12)
+        compiled(x).square().sum().backward()
+        eager(x).square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    torch._dynamo.reset()
