@@ -63,3 +63,16 @@ def quiet_transformers():
     transformers.logging.set_verbosity_error()
     yield
     transformers.logging.set_verbosity(level)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters empty before and after the test: its graphs counted alone, and no test's
+    graphs adding up to another's recompile limit."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()

@@ -76,14 +76,6 @@ def _compiled(model: nn.Module, regional: bool):
     return cc.compile_step(model, F.mse_loss, opt, regional=regional, backend="eager")
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
 def test_a_tt_layer_a_compiled_region_runs_eagerly_is_said_once_and_trains_as_eager(regional, fresh_dynamo):
     model = _net("disabled")

@@ -22,13 +22,6 @@ from helpers import readme_marked_block
 STEPS = 3
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _exec(marker: str, names: dict) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -75,15 +75,6 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2"])
 def test_a_12_layer_decoder_compiles_one_graph_at_its_defaults(family, fresh_dynamo):
     """cc.compile_step at its defaults on a 12-layer decoder whose config keeps use_cache=True: every layer

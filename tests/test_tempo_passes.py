@@ -269,14 +269,19 @@ def test_outputs_written_through_a_view_or_setitem_stay_torch_s_ops_under_memory
             n[:, :2].mul_(2.0)
             return h * n
 
+    _grads_as_eager(Writes(), lambda model: torch.compile(model, backend="comera", options={"memory": True}))
+
+
+def _grads_as_eager(model: nn.Module, run) -> None:
+    """The input's and model.lin's gradients through run(model) are eager's (float64, a (5, 6) input)."""
     torch.manual_seed(0)
-    model = Writes().double()
+    model = model.double()
     x = torch.randn(5, 6, dtype=torch.float64)
     g = torch.randn(5, 6, dtype=torch.float64)
     ref = grads_of(lambda a: model(a), [x], g) + [model.lin.weight.grad.clone()]
     model.zero_grad()
-    compiled = torch.compile(model, backend="comera", options={"memory": True})
-    got = grads_of(lambda a: compiled(a), [x], g) + [model.lin.weight.grad.clone()]
+    runner = run(model)
+    got = grads_of(lambda a: runner(a), [x], g) + [model.lin.weight.grad.clone()]
     for a, b in zip(got, ref):
         close(a, b, torch.float64)
     torch._dynamo.reset()
@@ -303,17 +308,8 @@ def test_outputs_written_by_an_in_place_function_stay_torch_s_ops(call, compiled
         def forward(self, x):
             return write(self.ln(self.lin(x))) * write(F.gelu(self.lin(x)))
 
-    torch.manual_seed(0)
-    model = Writes().double()
-    x = torch.randn(5, 6, dtype=torch.float64)
-    g = torch.randn(5, 6, dtype=torch.float64)
-    ref = grads_of(lambda a: model(a), [x], g) + [model.lin.weight.grad.clone()]
-    model.zero_grad()
-    run = torch.compile(model, backend="comera", options={"memory": True}) if compiled else tempo(model)
-    got = grads_of(lambda a: run(a), [x], g) + [model.lin.weight.grad.clone()]
-    for a, b in zip(got, ref):
-        close(a, b, torch.float64)
-    torch._dynamo.reset()
+    _grads_as_eager(Writes(), lambda model: torch.compile(model, backend="comera", options={"memory": True})
+                    if compiled else tempo(model))
 
 
 def test_a_softmax_dtype_given_by_position_keeps_the_softmax():
