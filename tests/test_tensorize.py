@@ -740,3 +740,25 @@ def test_inspect_cli_errors_are_one_line_messages(tmp_path):
         run = subprocess.run([sys.executable, "-m", "comera_compile", "inspect", "--example", "six-encoder",
                               "--layers", "1", *args], capture_output=True, text=True, timeout=300)
         assert run.returncode != 0 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_torchscript_is_refused_or_kept_dense_and_a_call_that_rewrites_nothing_says_so():
+    """A scripted or traced model's layers cannot be swapped: tensorize refuses the whole model, keeps a
+    scripted submodule dense with a warning, and a call that rewrites no layer says why instead of handing the
+    dense model back in silence."""
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = torch.randn(2, 64)
+    for scripted in (torch.jit.script(eager), torch.jit.trace(eager, x)):
+        with pytest.raises(cc.TensorizeError, match="before scripting it"):
+            cc.tensorize(scripted, rank=4, min_features=1)
+    model = nn.Sequential(nn.Linear(64, 64), torch.jit.script(nn.Linear(64, 64)))
+    with pytest.warns(UserWarning, match=r"kept 1 layer\(s\) dense inside TorchScript submodules \(1\)"):
+        tt = cc.tensorize(model, rank=4, min_features=1)
+    assert isinstance(tt[0], TTLinear) and "TorchScript" in tt.comera_summary.kept_dense["1"]
+    torch.testing.assert_close(tt[1](x), model[1](x))
+    with pytest.warns(UserWarning, match=r"rewrote no layer; the model stays dense \(2 kept dense: 0: smaller"):
+        small = cc.tensorize(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)))
+    assert not small.comera_summary.rewritten and type(small[0]) is nn.Linear
+    with pytest.warns(UserWarning, match=r"its 1 TT layer\(s\) are tensorized already"):
+        cc.tensorize(nn.Sequential(tt[0]))

@@ -126,6 +126,10 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
     must name a module), the preset's rank and shapes folded in."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tensorize takes an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TensorizeError(f"tensorize takes an eager nn.Module; {type(model).__name__} is TorchScript "
+                             f"(torch.jit.script / torch.jit.trace), whose layers cannot be replaced. Call "
+                             f"tensorize on the model before scripting it")
     asked = dict(shapes or {})
     shaped_only = False
     rank_chosen = rank is not None

@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from comera_compile.layers import TTLayer
 from comera_compile.passes.module.options import (PRESETS, LayerShape, Options, TensorizeError, as_shape,
                                                   check_options, layer_kind, matches)
 from comera_compile.tt import TTSpec, make_spec
@@ -247,11 +248,15 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     bigger: list[str] = []  # rewritten at the rank or shape asked for, though bigger than dense
     custom: list[str] = []  # kept dense: a subclass with its own forward, or a weight computed by hooks
     options: list[str] = []  # kept dense: embeddings with options the TT embeddings lack
+    scripted: list[str] = []  # kept dense: layers inside a torch.jit.script / trace submodule
     used_shapes: set = set()
     seen: dict[str, tuple[int, int]] = {}
     for name, mod in model.named_modules():
         kind = layer_kind(mod)
         if kind is None:
+            if getattr(mod, "original_name", None) in _SCRIPTED_KINDS and isinstance(mod, torch.jit.ScriptModule):
+                summary.kept_dense[name] = "TorchScript (torch.jit.script / trace), which tensorize cannot replace"
+                scripted.append(name)
             continue
         dims = seen[name] = _dims(mod, kind)
         key, shape = _find_shape(opts.shapes, name, dims)
@@ -301,7 +306,31 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                       f"submodules ({'; '.join(outside[:4])}{'; ...' if len(outside) > 4 else ''}): a forward "
                       f"calling them from there would run the dense layer, not the TT one.  Register the "
                       f"container as nn.ModuleDict or nn.ModuleList to tensorize them.")
+    if scripted:
+        warned.append(f"tensorize: kept {len(scripted)} layer(s) dense inside TorchScript submodules "
+                      f"({'; '.join(scripted[:4])}{'; ...' if len(scripted) > 4 else ''}), whose layers cannot "
+                      f"be replaced: tensorize the eager modules before torch.jit.script / trace.")
+    if not rewrites:
+        warned.append(_nothing_rewritten(model, summary))
     return Selection(rewrites, names_of, summary, warned)
+
+
+# The classes whose TorchScript copies (``original_name``) would have been rewritten as eager modules.
+_SCRIPTED_KINDS = frozenset({"Linear", "Embedding", "EmbeddingBag", "Conv1D"})
+
+
+def _nothing_rewritten(model: nn.Module, summary: TensorizeSummary) -> str:
+    """The warning for a call that rewrites no layer: the model comes back dense, and the user should know."""
+    if summary.kept_dense:
+        reasons = "; ".join(f"{n}: {r}" for n, r in list(summary.kept_dense.items())[:3])
+        more = "; ..." if len(summary.kept_dense) > 3 else ""
+        return (f"tensorize: rewrote no layer; the model stays dense ({len(summary.kept_dense)} kept dense: "
+                f"{reasons}{more}).  See the result's comera_summary; a smaller min_features or rank, or an "
+                f"explicit shape, rewrites small layers.")
+    tt = sum(isinstance(m, TTLayer) for m in model.modules())
+    found = f"its {tt} TT layer(s) are tensorized already" if tt else (
+        "it has no nn.Linear, nn.Embedding, nn.EmbeddingBag or transformers Conv1D")
+    return f"tensorize: rewrote no layer of {type(model).__name__}: {found}."
 
 
 _MODULE_INTERNALS = frozenset(vars(nn.Module()))   # nn.Module's own attributes: submodules, hooks, ...
