@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 __all__ = ["StepGraph", "CudaGraphs", "GraphCapture", "HostReadError", "capturing", "check_capturable",
            "make_capturable"]
@@ -289,8 +290,9 @@ class StepGraph:
             self._new_world()
         else:
             self._changes_in_a_row = 0
-        key = tuple((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else ("value", a)
-                    for a in args)
+        leaves, spec = pytree.tree_flatten(args)   # tensors inside dicts, lists and tuples are inputs too
+        key = (spec, *((tuple(a.shape), a.dtype, a.device, a.stride()) if isinstance(a, torch.Tensor) else
+                       ("value", a) for a in leaves))
         entry = self._graphs.get(key)
         if entry is None and self._warm.get(key, 0) >= self.warmup:
             entry = self._capture(key, args)
@@ -311,7 +313,7 @@ class StepGraph:
                     f"Move that read out of the step (or compute it on the device), or use "
                     f"cuda_graphs='compiled'", reads, loss)
             return loss
-        for static, a in zip(entry.inputs, args):
+        for static, a in zip(pytree.tree_leaves(entry.inputs), leaves):
             if isinstance(static, torch.Tensor):
                 static.copy_(a, non_blocking=True)
         self._graphs_api.replay(entry.graph)
@@ -342,7 +344,7 @@ class StepGraph:
         """Capture the step for this input signature (the capture runs nothing); None where the capture changed
         what it must not (optimizer state created inside it, which every replay would create afresh): then
         the call runs as one more warm-up."""
-        inputs = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+        inputs = pytree.tree_map_only(torch.Tensor, lambda a: a.detach().clone(), args)
         for p in self._world.params:   # a captured backward must allocate the gradients, not add to them
             p.grad = None
         had_state = set(self.optimizer.state)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
 from torch._dynamo.eval_frame import OptimizedModule
+from torch.utils import _pytree as pytree
 
 __all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes",
            "tokens_everywhere", "gradient_sync_off", "own_gradients", "WEIGHTS", "resolve_weights", "token_counts",
@@ -159,25 +161,34 @@ def named(flat: tuple[Any, ...], i: int) -> str:
 def split_batch(args: tuple[Any, ...], parts: int,
                 name: Callable[[int], str] = lambda i: f"argument {i}") -> list[tuple[tuple[Any, ...], float]]:
     """``args`` split along the first dimension into ``parts`` micro-batches (as ``torch.tensor_split``: sizes
-    differ by at most one row), each with its share of the rows.  Every tensor of one or more dimensions must
-    have the batch (the first such tensor's rows) as its first dimension; other arguments go to every
-    micro-batch whole.  ``name(i)`` says how argument i was passed, for the errors."""
-    batched = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.dim() > 0]
+    differ by at most one row), each with its share of the rows.  Tensors inside lists, tuples and dicts (a
+    target ``{"labels": y, "weights": w}``) are split as the arguments are; every tensor of one or more
+    dimensions must have the batch (the first such tensor's rows) as its first dimension; anything else goes
+    to every micro-batch whole.  ``name(i)`` says how argument i was passed, for the errors."""
+    leaves, spec = pytree.tree_flatten_with_path(args)
+    where = [name(path[0].idx) + pytree.keystr(path[1:]) for path, _ in leaves]
+    leaves = [leaf for _, leaf in leaves]
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, Mapping) and any(isinstance(v, torch.Tensor) for v in leaf.values()):
+            raise ValueError(f"compile_step(micro_batches={parts}) splits tensors inside dicts, lists and tuples, "
+                             f"and {where[i]} is a {type(leaf).__name__} holding tensors, which it cannot look "
+                             f"inside: pass dict(...) of it, or its items as keyword arguments (**batch)")
+    batched = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor) and a.dim() > 0]
     if not batched:
         raise ValueError(f"compile_step(micro_batches={parts}) splits the call's tensors along their first "
                          f"dimension, and this call has none: pass the batch as tensors, or micro_batches=1")
-    rows = args[batched[0]].shape[0]
+    rows = leaves[batched[0]].shape[0]
     for i in batched:
-        if args[i].shape[0] != rows:
+        if leaves[i].shape[0] != rows:
             raise ValueError(f"compile_step(micro_batches={parts}) splits every tensor argument along its first "
-                             f"dimension, the batch, but {name(i)} has shape {tuple(args[i].shape)} against "
-                             f"{rows} rows in {name(batched[0])}: give every tensor argument the batch first, "
+                             f"dimension, the batch, but {where[i]} has shape {tuple(leaves[i].shape)} against "
+                             f"{rows} rows in {where[batched[0]]}: give every tensor argument the batch first, "
                              f"or reach the others from the model or loss_fn instead of passing them")
     if rows < parts:
         raise ValueError(f"compile_step(micro_batches={parts}) got a batch of {rows} row(s), fewer than the "
                          f"micro-batches: give at least {parts} rows, or fewer micro-batches")
-    pieces = {i: torch.tensor_split(args[i], parts) for i in batched}
-    return [(tuple(pieces[i][k] if i in pieces else a for i, a in enumerate(args)),
+    pieces = {i: torch.tensor_split(leaves[i], parts) for i in batched}
+    return [(pytree.tree_unflatten([pieces[i][k] if i in pieces else a for i, a in enumerate(leaves)], spec),
              pieces[batched[0]][k].shape[0] / rows) for k in range(parts)]
 
 

@@ -133,7 +133,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     micro_batches (gradient accumulation): each call's batch is split along its first dimension into this
     many micro-batches, run forward and backward one after another with their gradients added, then one
     optimizer step: the whole batch's update at the activation memory of one micro-batch.  Every tensor
-    argument must have the batch as its first dimension (other arguments go to each micro-batch whole).
+    argument, and every tensor inside a list, tuple or dict argument, must have the batch as its first
+    dimension (other arguments go to each micro-batch whole).
     Each micro-batch's loss counts so that the call returns the whole batch's loss and leaves its gradient
     (``micro_batch_weights``): "rows", by its share of the rows, for a loss_fn averaging over rows (or over
     equally many elements per row); "tokens", by its share of the target's entries other than -100 (the

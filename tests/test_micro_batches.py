@@ -91,6 +91,40 @@ def test_micro_batches_pass_arguments_without_a_batch_dimension_whole(regional):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
 
 
+def test_micro_batches_split_the_tensors_inside_dicts_lists_and_tuples():
+    """A target passed as a dict of row tensors (labels and row weights) and an input inside a tuple are split
+    with the rest: the step equals the eager one on the whole batch at 2 and at 8 micro-batches (one row each,
+    where an unsplit 8-row target would broadcast against 1-row outputs).  A mapping it cannot look inside
+    (transformers' BatchEncoding is a UserDict) is an error that says what to pass."""
+    from collections import UserDict
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    target = {"y": torch.randint(0, 5, (8,), generator=g), "w": [torch.rand(8, generator=g, dtype=torch.float64)]}
+
+    class Packed(nn.Module):   # takes its input inside a tuple
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, xs: tuple) -> torch.Tensor:
+            return self.net(xs[0])
+
+    def loss_fn(out: torch.Tensor, t: dict) -> torch.Tensor:
+        return (F.cross_entropy(out, t["y"], reduction="none") * t["w"][0]).mean()
+
+    for parts in (2, 8):
+        ref, model = _net(), _net()
+        ref_opt = _optimizer(ref)
+        step = cc.compile_step(Packed(model), loss_fn, _optimizer(model), backend="eager", micro_batches=parts)
+        _assert_trains_as_eager(step, model, ref, ref_opt, [(((x,), target), {})] * 2,
+                                lambda xs, t: loss_fn(ref(xs[0]), t))
+    with pytest.raises(ValueError, match=r"argument 1 is a UserDict holding tensors.*\*\*batch"):
+        step((x,), UserDict(target))
+    with pytest.raises(ValueError, match=r"argument 1\['w'\]\[0\] has shape \(6,\) against 8 rows"):
+        step((x,), {"y": target["y"], "w": [target["w"][0][:6]]})
+
+
 def test_micro_batch_errors_say_what_to_do():
     """A count that is not a whole number >= 1 is refused when the step is built; a batch that cannot be split
     (a tensor whose first dimension is not the batch, fewer rows than micro-batches, no tensor at all) at the

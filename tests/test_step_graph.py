@@ -190,6 +190,36 @@ def test_micro_batches_are_captured_in_the_one_whole_step_graph(monkeypatch, los
     assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 5) and sim.captured == 1
 
 
+def test_a_batch_inside_a_dict_is_an_input_of_the_captured_step(monkeypatch):
+    """A target passed as a dict of tensors is copied into the captured step's inputs at each replay, as a
+    tensor argument is (a replay reading the first call's dict would train on one batch over and over), and
+    split with micro_batches: the losses and parameters of eager steps on the whole batch."""
+    ref, model = _net(), _net()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    sim = SimulatedGraphs(model, opt)
+    monkeypatch.setattr(graphs, "CudaGraphs", lambda device: sim)
+    g = torch.Generator().manual_seed(6)
+    batches = [(x, {"y": y, "w": torch.rand(y.shape, generator=g)}) for x, y in _batches(6)]
+
+    def loss_fn(out: torch.Tensor, t: dict) -> torch.Tensor:
+        return (F.cross_entropy(out, t["y"], reduction="none") * t["w"]).mean()
+
+    step = cc.compile_step(model, loss_fn, opt, backend="eager", cuda_graphs="step", micro_batches=2)
+
+    def eager(x, t):
+        loss = loss_fn(ref(x), t)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, ref_losses = _train_both(step, eager, batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert (step.graph.warmups, step.graph.captures, step.graph.replays) == (2, 1, 4) and sim.captured == 1
+
+
 def test_last_call_compiled_marks_the_calls_that_compiled(monkeypatch):
     """Per-graph compiled steps on the CPU: the first call compiles, a second row count compiles once more
     (dynamo's automatic dynamic shape), and every later call of either runs steady."""
