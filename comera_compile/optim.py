@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .distributed import is_sharded
 from .layers import tt_layers
@@ -53,14 +52,6 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
 # A param group key set by param_groups: the group asks for the optimizer's fast implementation (taken, and
 # the key removed, by prefer_fast_implementation).
 FAST_KEY = "prefer_fast_implementation"
-
-
-# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
-# that still steps one of them would train a tensor the model no longer uses, silently: retire's process-wide
-# pre-hook makes that an error, for any optimizer (one the package was never handed, a second one over the
-# gates, torch's LBFGS).
-_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_CHECKING: list[Any] = []   # the process-wide hook's handle, once registered
 
 
 def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
@@ -144,21 +135,6 @@ def scaled_step(scaler: Any, optimizer: Any, scale_before: float) -> bool:
     return scaler.get_scale() < scale_before
 
 
-def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _RETIRED:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            ref = _RETIRED.get(id(p))
-            if ref is not None and ref() is p:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
-                    f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
-                    f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
-                    f"update it, or build it again from the model's parameters after each cut (a second "
-                    f"optimizer: in a function given to ra.on_reallocate)")
-
-
 def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer a wrapper holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``,
     Lightning's ``LightningOptimizer``), or `optimizer` itself: the object whose param groups and state a cut
@@ -207,13 +183,3 @@ def _record_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         _FOUND_INF[optimizer] = found_inf
     else:
         _FOUND_INF.pop(optimizer, None)
-
-
-def retire(params: list[torch.Tensor]) -> None:
-    """Mark parameters a cut replaced: from now on an optimizer that still holds one raises at its step (a
-    process-wide step pre-hook, registered at the first call; it looks only while a retired one is alive)."""
-    if params and not _CHECKING:
-        _CHECKING.append(register_optimizer_step_pre_hook(_check_not_retired))
-    for p in params:
-        key = id(p)
-        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))

@@ -5,11 +5,13 @@ moments (docs/method.md section 4 has the reasons)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import weakref
+from typing import Any, Callable, Iterable
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["replace", "rescale", "restart", "index_select", "SECOND_MOMENTS", "SCALE_POWERS"]
+__all__ = ["replace", "rescale", "restart", "index_select", "retire", "SECOND_MOMENTS", "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
 Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]
@@ -79,15 +81,19 @@ def restart(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
     """The state of a TT core or gate a rounding rotated (in place).  Under Adam (a bias-corrected second
     moment and a step count) a core's moments restart from nothing, step included; a gate keeps its step and
     its bond's average second moment, its first moment restarts at zero.  Other optimizers: first moments
-    zero, second moments averaged over the rotated axes."""
+    zero, second moments and Rprop's step sizes averaged over the rotated axes, ASGD's average of the parameter
+    the rotated parameter; NAdam's momentum product restarts with its step."""
     p = new
     from_nothing = p.dim() > 1 and "exp_avg_sq" in st and "step" in st
     axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
     for key, value in st.items():
-        if key == "step" and from_nothing:
-            st[key] = value.zero_() if isinstance(value, torch.Tensor) else type(value)(0)
+        if key in ("step", "mu_product") and from_nothing:
+            fresh = 0 if key == "step" else 1
+            st[key] = value.fill_(fresh) if isinstance(value, torch.Tensor) else type(value)(fresh)
         elif _per_element(value, p):
-            if key in SECOND_MOMENTS and not from_nothing:
+            if key == "ax":
+                value.copy_(p.detach())
+            elif key in (*SECOND_MOMENTS, "step_size") and not from_nothing:
                 value.copy_(value.mean(axes, keepdim=True).expand_as(value))
             else:
                 value.zero_()
@@ -113,3 +119,36 @@ def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:
             shape[dim] = idx.numel()
         return st
     return transform
+
+
+# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
+# that still steps one of them would train a tensor the model no longer uses, silently: retire's process-wide
+# pre-hook makes that an error, for any optimizer (one the package was never handed, a second one over the
+# gates, torch's LBFGS).
+_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
+_CHECKING: list[Any] = []   # the process-wide hook's handle, once registered
+
+
+def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _RETIRED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _RETIRED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
+                    f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
+                    f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
+                    f"update it, or build it again from the model's parameters after each cut (a second "
+                    f"optimizer: in a function given to ra.on_reallocate)")
+
+
+def retire(params: list[torch.Tensor]) -> None:
+    """Mark parameters a cut replaced: from now on an optimizer that still holds one raises at its step (a
+    process-wide step pre-hook, registered at the first call; it looks only while a retired one is alive)."""
+    if params and not _CHECKING:
+        _CHECKING.append(register_optimizer_step_pre_hook(_check_not_retired))
+    for p in params:
+        key = id(p)
+        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))

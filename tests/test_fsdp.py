@@ -400,6 +400,63 @@ def test_a_checkpoint_does_not_load_into_smaller_ranks(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(before, small.parameters()))
 
 
+def _cut_mlp(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    import comera_compile as cc
+
+    torch.manual_seed(seed)
+    model = cc.tensorize(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64)), rank=6, min_features=32)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+    return model, opt, cc.RankAdaptive(model, optimizer=opt, cut_every=5)
+
+
+def test_a_checkpoint_without_the_optimizer_gives_the_cut_cores_to_rank_adaptive_s_optimizer(tmp_path):
+    """Saved after a cut without the optimizer, by a RankAdaptive built on a torch.compile wrapper: loading it
+    with an optimizer is an error before anything is cut; loading it without one into the bare model cuts the
+    cores into RankAdaptive's optimizer (it went on training the old cores, the new ones never), and the next
+    step of the resumed model equals the saved model's own next step."""
+    import comera_compile as cc
+
+    model, opt, _ = _cut_mlp()
+    ra = cc.RankAdaptive(torch.compile(model), optimizer=opt, cut_every=5)   # names without _orig_mod
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)) for _ in range(7)]
+
+    def step(m, o, r, x, y, zero=False):
+        loss = nn.functional.mse_loss(m(x), y)
+        loss.backward()
+        o.step()
+        o.zero_grad()
+        if zero:   # half of every bond switched off before the check: it cuts
+            with torch.no_grad():
+                for layer in r.layers.values():
+                    for gate in layer.gates:
+                        gate[: gate.numel() // 2] = 0.0
+        r.step(loss)
+
+    for i, (x, y) in enumerate(data[:5]):
+        step(model, opt, ra, x, y, zero=i == 4)
+    assert ra.cuts == 1
+    ckpt = str(tmp_path / "ckpt")
+    cc.save_checkpoint(ckpt, model, ra=ra)
+    fresh, fresh_opt, fresh_ra = _cut_mlp(seed=3)
+    ranks = [m.spec.ranks for m in fresh_ra.layers.values()]
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        cc.load_checkpoint(ckpt, fresh, fresh_opt, fresh_ra)
+    assert [m.spec.ranks for m in fresh_ra.layers.values()] == ranks   # nothing cut
+    cc.load_checkpoint(ckpt, fresh, ra=fresh_ra)
+    held = {id(p) for group in fresh_opt.param_groups for p in group["params"]}
+    assert all(id(p) in held for p in fresh.parameters())
+    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), name
+    # the saved model's next step from a fresh optimizer state, as the resumed one's (no optimizer saved)
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        o.state.clear()
+    step(model, opt, ra, *data[5])
+    step(fresh, fresh_opt, fresh_ra, *data[5])
+    for (name, p), q in zip(fresh.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
+
+
 def test_fused_optimizer_choice_falls_back_to_foreach_for_sharded_parameters(tmp_path):
     """param_groups asks for the fused implementation, which DTensor cannot run: sharded groups of an
     optimizer handed to the package get foreach."""

@@ -98,3 +98,51 @@ def test_a_rounding_keeps_adafactor_s_gate_variance_on_its_bond_s_average():
     before = opt.state[gate]["variance"].clone()
     replace(opt, [(gate, gate)], restart)
     torch.testing.assert_close(opt.state[gate]["variance"], before.mean().expand(4))
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_a_rounded_core_under_nadam_steps_as_under_a_fresh_nadam(foreach):
+    """A rounding restarts a core's Adam-family state from nothing: under NAdam that includes its momentum
+    product (which after 300 steps has fallen to 0 and would shrink the next updates to 0.56x, 0.81x, ...):
+    the next three updates are a fresh NAdam's on the same parameter and gradients."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(4, 4, 8))
+    opt = torch.optim.NAdam([p], lr=1e-2, foreach=foreach)
+    for _ in range(300):
+        p.grad = torch.randn_like(p)
+        opt.step()
+    replace(opt, [(p, p)], restart)
+    q = torch.nn.Parameter(p.detach().clone())
+    fresh = torch.optim.NAdam([q], lr=1e-2, foreach=foreach)
+    for _ in range(3):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        fresh.step()
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_rounding_keeps_rprop_s_step_sizes_and_asgd_s_average_in_the_new_basis():
+    """Rprop's per-entry step sizes are magnitudes, averaged over the rotated axes like second moments (zeroed,
+    the next update was step_size_min, 1e-6, for about 50 steps); ASGD's average of the parameter becomes the
+    rotated parameter (zeroed, it was 4.1 off where the parameter is)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(3, 4, 5))
+    rprop = torch.optim.Rprop([p], lr=1e-2)
+    for _ in range(20):
+        p.grad = torch.randn_like(p)
+        rprop.step()
+    sizes = rprop.state[p]["step_size"].clone()
+    replace(rprop, [(p, p)], restart)
+    after = rprop.state[p]["step_size"]
+    torch.testing.assert_close(after, sizes.mean((0, 2), keepdim=True).expand_as(sizes))
+    assert float(after.min()) > 1e-4
+    a = torch.nn.Parameter(torch.randn(3, 4, 5))
+    asgd = torch.optim.ASGD([a], lr=1e-2)
+    for _ in range(5):
+        a.grad = torch.randn_like(a)
+        asgd.step()
+    with torch.no_grad():
+        a.mul_(-1.0)   # the rounding rotated it
+    replace(asgd, [(a, a)], restart)
+    assert torch.equal(asgd.state[a]["ax"], a.detach())

@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from ..layers import tt_layers
-from ..optim_state import replace
+from ..optim_state import replace, retire
 from .fsdp import unsharded
 from .replicas import replica_mean
 
-__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_ranks", "resize_ranks"]
+__all__ = ["save_checkpoint", "load_checkpoint", "checkpoint_ranks", "resize_ranks", "state_dict_layers"]
 
 _MODEL, _OPTIM, _RA = "model", "optimizer", "rank_adaptive"
 
@@ -47,10 +47,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 
 
-def _layers(model: nn.Module) -> dict[str, Any]:
+def state_dict_layers(model: nn.Module) -> dict[str, Any]:
     """`model`'s TT layers by the names torch's get_model_state_dict gives their parameters: a wrapper's own
     name (DistributedDataParallel's ``module``, torch.compile's ``_orig_mod``, activation checkpointing's)
-    left out, so a checkpoint saved through a wrapper loads into the bare model and back."""
+    left out, so a checkpoint saved through a wrapper loads into the bare model and back (RankAdaptive names
+    its layers so too)."""
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     out = {}
@@ -73,7 +74,7 @@ def checkpoint_ranks(path: str, model: nn.Module) -> dict[str, tuple[int, ...]]:
 
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     out = {}
-    for name, layer in _layers(model).items():
+    for name, layer in state_dict_layers(model).items():
         shapes = []
         for k in range(len(layer.cores)):
             key = f"{_MODEL}.{name}.cores.{k}"
@@ -92,10 +93,11 @@ def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
     rank slices, FSDP2-sharded or not; the optimizer, if given, holds the new Parameters.  A model about to
     load a checkpoint taken after cuts needs its shapes first; the values come from the checkpoint.  Layers are
     named as in torch's get_model_state_dict (without the names of DDP's and torch.compile's wrappers)."""
-    layers = _layers(model)
+    layers = state_dict_layers(model)
     if optimizer is not None and optimizer.state:
         raise ValueError("give load_checkpoint a fresh optimizer (no state yet): its state comes from the "
                          "checkpoint, and a stateful one may hold parameters the checkpoint's ranks replace")
+    retired: list[torch.Tensor] = []
     for name, r in ranks.items():
         have = layers[name].spec.ranks
         if len(r) != len(have) or any(a > b for a, b in zip(r, have)):
@@ -108,7 +110,10 @@ def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
             keep = [None if n == layer.gates[k].numel() else torch.arange(n) for k, n in enumerate(r[1:-1])]
             if all(k is None for k in keep):
                 continue
-            replace(optimizer, {id(old): (old, new) for old, new, _, _ in layer.prune_ranks(keep)}.values())
+            pairs = {id(old): (old, new) for old, new, _, _ in layer.prune_ranks(keep)}.values()
+            replace(optimizer, pairs)
+            retired += [old for old, _ in pairs]
+    retire(retired)   # another optimizer still holding one raises at its step instead of training it
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -124,24 +129,38 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                          set_state_dict)
 
-    before = {name: layer.spec.ranks for name, layer in _layers(model).items()}
-    resize_ranks(model, checkpoint_ranks(path, model), optimizer)
-    resized = any(layer.spec.ranks != before[name] for name, layer in _layers(model).items())
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if optimizer is not None and not any(k.startswith(f"{_OPTIM}.") for k in saved):
+        raise ValueError(f"the checkpoint at {path} holds no optimizer state (saved without the optimizer): "
+                         f"load it without one, and RankAdaptive's optimizer, if it has one, takes the cut cores")
+    ra_state = None
+    if ra is not None:   # read and checked before anything is cut: a failed load leaves the model as it was
+        if _RA not in saved:
+            raise ValueError(f"the checkpoint at {path} holds no RankAdaptive state (saved without ra=)")
+        ra_state = {_RA: b""}
+        dcp.load(ra_state, checkpoint_id=path)
+        ra_state = torch.load(io.BytesIO(ra_state[_RA]), weights_only=True)
+        if set(ra_state["masks"]) != set(ra.layers):
+            raise ValueError(f"the checkpoint's RankAdaptive state adapts TT layers "
+                             f"{sorted(set(ra_state['masks']) ^ set(ra.layers))[:6]} that this RankAdaptive "
+                             f"does not, or the other way round: build it on the same model as the saved one")
+    before = {name: layer.spec.ranks for name, layer in state_dict_layers(model).items()}
+    # cut cores go into the optimizer given, else into the one RankAdaptive steps (a stale one would train
+    # the old cores)
+    resize_ranks(model, checkpoint_ranks(path, model), optimizer if optimizer is not None else
+                 getattr(ra, "optimizer", None))
+    resized = any(layer.spec.ranks != before[name] for name, layer in state_dict_layers(model).items())
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         state: dict[str, Any] = {_MODEL: model_sd, _OPTIM: optim_sd}
     else:
         state = {_MODEL: get_model_state_dict(model)}
-    if ra is not None:
-        state[_RA] = b""
     dcp.load(state, checkpoint_id=path)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM])
     else:
         set_model_state_dict(model, state[_MODEL])
     if ra is not None:
-        if not state[_RA]:
-            raise ValueError(f"the checkpoint at {path} holds no RankAdaptive state (saved without ra=)")
-        ra.load_state_dict(torch.load(io.BytesIO(state[_RA]), weights_only=True))
+        ra.load_state_dict(ra_state)
         if resized:   # new, smaller Parameters: what ra.on_reallocate(...) rebuilds (a DDP wrapper) is stale
             ra._reallocated()

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim import retire
-from ..optim_state import index_select, replace
+from ..optim_state import index_select, replace, retire
 from .allocation import Allocation
 
 __all__ = ["cut"]

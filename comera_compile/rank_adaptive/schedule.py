@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import distributed as _dist
 from ..gauge import balance, canonicalize
 from ..graphs import capturing
+from ..distributed.checkpoint import state_dict_layers
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
 from ..optim_state import replace, rescale, restart
@@ -117,8 +118,8 @@ def _trainable_layers(model: nn.Module) -> dict[str, TTLayer]:
     """The TT layers RankAdaptive adapts: every one whose cores and gates all train.  A layer with a frozen
     core or gate (requires_grad=False; its bias may train, as in bias-only fine-tuning) is the user's to keep
     as it is: the gauge steps and cuts would change its weight (a warning names them)."""
-    every = tt_layers(model)
-    if not every:
+    every = state_dict_layers(model)   # named without DDP's or torch.compile's wrapper: its checkpoints load
+    if not every:                      # into the bare model
         raise ValueError(f"{type(model).__name__} has no TT layers; tensorize it first "
                          f"(model = comera_compile.tensorize(model))")
     layers = {n: m for n, m in every.items() if all(p.requires_grad for p in [*m.cores, *m.gates])}
@@ -220,9 +221,9 @@ class RankAdaptive(Reports):
 
     # -- schedule -------------------------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in a
-        wrapper such as accelerate's, the torch optimizer inside; a step it or a GradScaler skipped skips here).
-        It takes its fast implementation.  Attaching the one attached already does nothing."""
+        """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in
+        accelerate's wrapper, the one inside; a step it or a fused one's GradScaler skipped skips here, one a
+        scaler never called cannot: README, float16).  It takes its fast implementation; attached twice, once."""
         if optimizer is not self._stepper:
             self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
             prefer_fast_implementation(self.optimizer)
@@ -247,7 +248,7 @@ class RankAdaptive(Reports):
         schedule; every cut_every steps round every bond, switch off the zeroed gates, prune toward the late
         stage's target and re-allocate when due.  `loss` (this step's task loss, tensor or float) feeds the
         late stage's moving average.  Returns True when the cores were re-allocated (new Parameters;
-        ``on_reallocate`` callbacks have run).  An optimizer step skipped (by accelerate, a GradScaler) is none."""
+        ``on_reallocate`` callbacks have run).  An optimizer step skipped is none (which ones: ``attach``)."""
         if skipped_step(self._stepper):
             return False
         _follow_the_model(self)
