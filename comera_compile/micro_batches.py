@@ -19,7 +19,7 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils import _pytree as pytree
 
-__all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes",
+__all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes", "averaging_group",
            "tokens_everywhere", "gradient_sync_off", "own_gradients", "WEIGHTS", "resolve_weights", "token_counts",
            "accumulate", "check_row_weights"]
 
@@ -80,7 +80,7 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
     tokens = torch.stack(counts).sum() if counts is not None else None
     # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
     spread = tokens is not None and processes > 1
-    everywhere = tokens_everywhere(tokens) if spread else None
+    everywhere = tokens_everywhere(tokens, averaging_group(model)) if spread else None
     total = None
     for i, (part, share) in enumerate(parts):
         last = i == len(parts) - 1
@@ -236,23 +236,36 @@ def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch
 
 def averaging_processes(model: torch.nn.Module) -> int:
     """How many processes' gradients the model's wrapper averages (DistributedDataParallel's process group,
-    or the default group for FSDP2), else 1."""
+    FSDP2's mesh), else 1."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return 1
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel) and not _fsdp2_modules(model):
+        return 1
+    return dist.get_world_size(averaging_group(model))
+
+
+def averaging_group(model: torch.nn.Module) -> Any:
+    """The process group whose gradients the model's wrapper averages: DistributedDataParallel's, a 1-D FSDP2
+    mesh's, else None (the default group: a 2-D mesh's reduction spans it)."""
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        return dist.get_world_size(model.process_group)
-    return dist.get_world_size() if _fsdp2_modules(model) else 1
+        return model.process_group
+    for module in _fsdp2_modules(model):
+        for p in module.parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is not None:
+                return mesh.get_group() if mesh.ndim == 1 else None
+    return None
 
 
-def tokens_everywhere(tokens: torch.Tensor) -> torch.Tensor:
-    """The label tokens of every process's batch, summed: one all-reduce on the device, nothing read on the
-    host."""
+def tokens_everywhere(tokens: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """The label tokens of every averaging process's batch (`group`'s, averaging_group), summed: one
+    all-reduce on the device, nothing read on the host."""
     import torch.distributed as dist
 
     total = tokens.clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return total
 
 

@@ -643,3 +643,49 @@ def test_the_trainer_across_two_processes_refuses_mid_run_reallocations_and_cuts
     assert a["ranks"] == b["ranks"]
     assert all(max(r[1:-1]) < 6 for r in a["ranks"].values()), a["ranks"]   # the switched-off quarter is cut out
     assert max((p - q).abs().max().item() for p, q in zip(a["params"], b["params"])) == 0.0
+
+
+def _groups_of_one_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Each process in a group of its own: a DDP wrapper over it counts a token mean's tokens in that group
+    only, and a RankAdaptive of that group saves and loads the process's own checkpoint."""
+    import comera_compile as cc
+    from comera_compile.micro_batches import averaging_group, averaging_processes, tokens_everywhere
+
+    with _process_group(rank, world, port):
+        own, _ = dist.new_subgroups(1)
+        model = _model()
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=own)
+        tokens = torch.tensor(3 + 4 * rank)
+        result: dict = {"processes": averaging_processes(ddp),
+                        "tokens": int(tokens_everywhere(tokens, averaging_group(ddp)))}
+        torch.manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():   # each process its own model
+                p.add_(0.1 * torch.randn_like(p))
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+        ra = cc.RankAdaptive(model, optimizer=opt, cut_every=2, process_group=own)
+        for _ in range(2):
+            loss = nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 5, (8,)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ra.step(loss)
+        cc.save_checkpoint(f"{out}-ckpt{rank}", model, opt, ra)
+        fresh = _model()
+        fresh_opt = torch.optim.AdamW(cc.param_groups(fresh, lr=1e-2))
+        cc.load_checkpoint(f"{out}-ckpt{rank}", fresh, fresh_opt, cc.RankAdaptive(fresh, optimizer=fresh_opt,
+                                                                                  process_group=own))
+        result["loaded"] = all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
+        dist.barrier()
+        torch.save(result, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_a_group_of_one_counts_its_own_tokens_and_checkpoints_its_own_model(tmp_path):
+    """Tokens were summed over the default group whatever group DDP averaged over (at two groups of two, each
+    group's gradients came out about half size); every process's checkpoint was planned over the default group
+    (one folder held the metadata of both)."""
+    for rank, result in enumerate(_two_processes(_groups_of_one_worker, str(tmp_path / "own"))):
+        assert result["processes"] == 1 and result["tokens"] == 3 + 4 * rank
+        assert result["loaded"]
+

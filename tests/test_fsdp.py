@@ -457,6 +457,41 @@ def test_a_checkpoint_without_the_optimizer_gives_the_cut_cores_to_rank_adaptive
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=name)
 
 
+def _submesh_cut(rank: int, world: int, out: str) -> None:
+    """Each process shards its own model over a mesh of its own (a sweep of independent runs): a cut of
+    switched-off slices leaves each model's function as it was."""
+    import comera_compile as cc
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("run", "shard"))["shard"]
+    torch.manual_seed(rank)   # each run its own model
+    model = cc.tensorize(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64)), rank=6, min_features=32)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, gamma=0.0, process_group=mesh.get_group())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for layer in ra.layers.values():
+            for gate in layer.gates:
+                gate.to_local()[: gate.numel() // 2] = 0.0
+        before = model(x)
+    model.reshard()   # the root keeps its parameters unsharded after a forward without backward
+    cut = ra.step()   # the check switches the zero gates off and re-allocates
+    with torch.no_grad():
+        after = model(x)
+    torch.save({"cut": cut, "change": float((after - before).norm() / before.norm())}, f"{out}.{rank}")
+
+
+def test_a_cut_on_a_mesh_of_its_own_keeps_each_process_s_model(tmp_path):
+    """The cut cores were broadcast from global rank 0 over the default group: the second run took the first
+    run's cores (its output moved by 1e-2 relative), where each mesh's first process should hand them out."""
+    _spawn(_submesh_cut, 2, str(tmp_path / "cut"))
+    for rank in range(2):
+        result = torch.load(f"{tmp_path / 'cut'}.{rank}")
+        assert result["cut"] and result["change"] < 1e-5, result
+
+
 def test_fused_optimizer_choice_falls_back_to_foreach_for_sharded_parameters(tmp_path):
     """param_groups asks for the fused implementation, which DTensor cannot run: sharded groups of an
     optimizer handed to the package get foreach."""

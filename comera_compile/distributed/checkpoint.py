@@ -23,7 +23,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Save a training checkpoint with ``torch.distributed.checkpoint`` (one file per process; any number
     of processes, or one without a process group): the model and optimizer state as torch's
     ``get_state_dict`` gives them (FSDP2 shards saved as shards), and ``RankAdaptive``'s state.  Call it on
-    every process.  ``load_checkpoint`` restores it at any world size, cut ranks included."""
+    every process (of ``ra.process_group`` where it has one: a group of one saves its process's own model).  ``load_checkpoint`` restores it at any world size, cut ranks included."""
     import io
 
     import torch.distributed.checkpoint as dcp
@@ -41,7 +41,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         buf = io.BytesIO()
         torch.save(ra.state_dict(), buf)
         state[_RA] = buf.getvalue()
-    dcp.save(state, checkpoint_id=path)
+    dcp.save(state, checkpoint_id=path, process_group=getattr(ra, "process_group", None))
 
 
 _WRAPPERS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
@@ -130,6 +130,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
                                                          set_state_dict)
 
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    group = getattr(ra, "process_group", None)   # a RankAdaptive of its own group: that group's checkpoint
     if optimizer is not None and not any(k.startswith(f"{_OPTIM}.") for k in saved):
         raise ValueError(f"the checkpoint at {path} holds no optimizer state (saved without the optimizer): "
                          f"load it without one, and RankAdaptive's optimizer, if it has one, takes the cut cores")
@@ -138,7 +139,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         if _RA not in saved:
             raise ValueError(f"the checkpoint at {path} holds no RankAdaptive state (saved without ra=)")
         ra_state = {_RA: b""}
-        dcp.load(ra_state, checkpoint_id=path)
+        dcp.load(ra_state, checkpoint_id=path, process_group=group)
         ra_state = torch.load(io.BytesIO(ra_state[_RA]), weights_only=True)
         if set(ra_state["masks"]) != set(ra.layers):
             raise ValueError(f"the checkpoint's RankAdaptive state adapts TT layers "
@@ -155,7 +156,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         state: dict[str, Any] = {_MODEL: model_sd, _OPTIM: optim_sd}
     else:
         state = {_MODEL: get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=path, process_group=group)
     if optimizer is not None:
         set_state_dict(model, optimizer, model_state_dict=state[_MODEL], optim_state_dict=state[_OPTIM])
     else:

@@ -163,9 +163,10 @@ def _shard_back(model: nn.Module, entries: list, optimizer: torch.optim.Optimize
                 local(sharded).copy_(shard_like(full, sharded))
                 plist[i] = sharded
                 pairs.append((full, sharded))
-            else:  # a cut: every process takes rank 0's new tensor, then FSDP2 shards it
+            else:  # a cut: every process of the mesh takes its first one's new tensor, then FSDP2 shards it
                 if dist.is_initialized():
-                    dist.broadcast(now.data, 0)
+                    group = sharded.device_mesh.get_group()
+                    dist.broadcast(now.data, dist.get_global_rank(group, 0), group=group)
                 replaced[id(sharded)] = (sharded, now)
         if replaced:
             fresh = _reshard(model, replaced)
