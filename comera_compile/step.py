@@ -7,6 +7,7 @@ one by one are comera_compile.regional's.  docs/method.md section 7 has the meas
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -306,14 +307,24 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
                       "or SGD with fused=True), or change it less often")
         step.last_call_compiled = _compile_marks(step.graph, counters) != before
         if rank_adaptive is not None and not step.skipped:   # eager, after every compiled part of the step
-            step.stale = rank_adaptive.step(loss) and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            rank_adaptive.step(loss)
         return loss
 
     step.graph = graph   # the StepGraph (its captures, replays and warm-ups) while the mode is "step"
     step.cuda_graphs = chosen if on_cuda or whole else None
     step.last_call_compiled = False
     step.scaler, step.skipped, step.stale = scaler, False, False
+    if rank_adaptive is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        _stale_after_reallocations(step, rank_adaptive)
     return step
+
+
+def _stale_after_reallocations(step: Any, ra: Any) -> None:
+    """Mark `step` stale at every re-allocation of `ra`'s, from its own steps or from anywhere else
+    (load_checkpoint's cut, an explicit ra.cut()): its DDP wrapper holds the old cores from then on."""
+    ref = weakref.ref(step)
+    handle = ra.on_reallocate(lambda _: setattr(ref(), "stale", True) if ref() is not None else None)
+    weakref.finalize(step, handle.remove)
 
 
 def _compile_marks(graph: Any, counters: dict[str, Any]) -> tuple[int, ...]:

@@ -689,3 +689,41 @@ def test_a_group_of_one_counts_its_own_tokens_and_checkpoints_its_own_model(tmp_
         assert result["processes"] == 1 and result["tokens"] == 3 + 4 * rank
         assert result["loaded"]
 
+
+
+def _stale_after_load_worker(rank: int, world: int, port: int, out: str, ckpt: str) -> None:
+    """compile_step(DDP(model), rank_adaptive=ra), then load_checkpoint cuts the model to a checkpoint's
+    ranks: the step's next call is its error (it ran one unaveraged backward, then DDP's own error)."""
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        saved = _model()
+        opt = torch.optim.AdamW(cc.param_groups(saved, lr=1e-2))
+        ra = cc.RankAdaptive(saved, optimizer=opt, cut_every=1)
+        with torch.no_grad():
+            for layer in ra.layers.values():
+                for gate in layer.gates:
+                    gate[: gate.numel() // 2] = 0.0
+        ra.step()
+        assert ra.cuts == 1
+        cc.save_checkpoint(ckpt, saved, opt, ra)
+        model = _model()
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+        ra = cc.RankAdaptive(model, optimizer=opt)
+        step = cc.compile_step(nn.parallel.DistributedDataParallel(model), nn.functional.cross_entropy, opt,
+                               rank_adaptive=ra, backend="eager")
+        x, y = torch.randn(8, 64), torch.randint(0, 5, (8,))
+        step(x, y)
+        cc.load_checkpoint(ckpt, model, ra=ra)
+        try:
+            step(x, y)
+            result = "no error"
+        except RuntimeError as e:
+            result = str(e)
+        torch.save(result, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_a_compiled_ddp_step_is_stale_after_a_checkpoint_cut_its_cores(tmp_path):
+    for result in _two_processes(_stale_after_load_worker, str(tmp_path / "stale"), str(tmp_path / "ckpt")):
+        assert "build the step again on a new wrapper" in result, result

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..layers import tt_layers
-from ..optim_state import replace, retire
+from ..optim_state import index_select, replace, retire
 from .fsdp import unsharded
 from .replicas import replica_mean
 
@@ -90,13 +90,11 @@ def checkpoint_ranks(path: str, model: nn.Module) -> dict[str, tuple[int, ...]]:
 def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
                  optimizer: torch.optim.Optimizer | None = None) -> None:
     """Allocate each named TT layer at the given ranks (no larger than it has now) by keeping its leading
-    rank slices, FSDP2-sharded or not; the optimizer, if given, holds the new Parameters.  A model about to
-    load a checkpoint taken after cuts needs its shapes first; the values come from the checkpoint.  Layers are
-    named as in torch's get_model_state_dict (without the names of DDP's and torch.compile's wrappers)."""
+    rank slices, FSDP2-sharded or not; the optimizer, if given, holds the new Parameters (its state cut
+    alike) and the old ones are retired.  A model about to load a checkpoint taken after cuts needs its shapes
+    first; the values come from the checkpoint.  Layers are named as in torch's get_model_state_dict (without
+    the names of DDP's and torch.compile's wrappers)."""
     layers = state_dict_layers(model)
-    if optimizer is not None and optimizer.state:
-        raise ValueError("give load_checkpoint a fresh optimizer (no state yet): its state comes from the "
-                         "checkpoint, and a stateful one may hold parameters the checkpoint's ranks replace")
     retired: list[torch.Tensor] = []
     for name, r in ranks.items():
         have = layers[name].spec.ranks
@@ -110,9 +108,13 @@ def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
             keep = [None if n == layer.gates[k].numel() else torch.arange(n) for k, n in enumerate(r[1:-1])]
             if all(k is None for k in keep):
                 continue
-            pairs = {id(old): (old, new) for old, new, _, _ in layer.prune_ranks(keep)}.values()
-            replace(optimizer, pairs)
-            retired += [old for old, _ in pairs]
+            pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            steps: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            for old, new, dim, idx in layer.prune_ranks(keep):   # a core cut on both bonds comes twice
+                pairs.setdefault(id(old), (old, new))
+                steps.setdefault(id(old), []).append((dim, idx))
+            replace(optimizer, pairs.values(), index_select(steps))   # state the optimizer has, cut alike
+            retired += [old for old, _ in pairs.values()]
     retire(retired)   # another optimizer still holding one raises at its step instead of training it
 
 
