@@ -18,6 +18,7 @@ from comera_compile.memory import keep_freed_memory
 from comera_compile.micro_batches import (accumulate, averaging_processes, check_row_weights, own_gradients, pack,
                                           resolve_weights, unpack)
 from comera_compile.regional import compile_blocks
+from comera_compile.step_modes import choose_cuda_graphs, compile_kwargs, without_cuda_graphs
 
 if TYPE_CHECKING:
     from comera_compile.rank_adaptive import RankAdaptive
@@ -162,21 +163,19 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     weights = resolve_weights(loss_fn, micro_batch_weights)
     if rank_adaptive is not None and rank_adaptive.optimizer is None:
         rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
-    kwargs: dict[str, Any] = {"options": options} if options else {}
-    if mode is not None:
-        kwargs["mode"] = mode
+    kwargs = compile_kwargs(backend, mode, options)
     on_cuda = _on_cuda(model)
     if keep_memory and not on_cuda:
         keep_freed_memory()
     device_type = next((p.device.type for p in model.parameters()), "cpu")
     scaler = loss_scaler(scaler, autocast, device_type, cuda_graphs, compile_optimizer, optimizer)
     scaling = scaler is not None and scaler.is_enabled()
-    chosen = _choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs, scaling)
+    chosen = choose_cuda_graphs(cuda_graphs, on_cuda, optimizer, model, backend, kwargs, scaling)
     auto = cuda_graphs == "auto" and chosen == "step"   # may still fall back to "compiled" (fall_back)
     whole = chosen == "step"
     compiled_kwargs = kwargs
     if whole or (chosen == "off" and on_cuda):
-        kwargs = _without_cuda_graphs(kwargs, backend, chosen)
+        kwargs = without_cuda_graphs(kwargs, backend, chosen)
     if whole:   # refused before anything is compiled or changed
         from comera_compile import graphs as _graphs
 
@@ -209,7 +208,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     if compile_optimizer:   # torch's own kernels, compiled: the groups' marks asking for fused ones go
         for group in optimizer.param_groups:
             group.pop(FAST_KEY, None)
-        opt_step = torch.compile(optimizer.step, backend=backend, **_without_cuda_graphs(kwargs, backend, "optimizer"))
+        opt_step = torch.compile(optimizer.step, backend=backend, **without_cuda_graphs(kwargs, backend, "optimizer"))
     else:
         prefer_fast_implementation(optimizer)
         opt_step = optimizer.step
@@ -336,54 +335,6 @@ def _compile_marks(graph: Any, counters: dict[str, Any]) -> tuple[int, ...]:
 
 def _on_cuda(model: torch.nn.Module) -> bool:
     return any(p.is_cuda for p in model.parameters())
-
-
-def _choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch.optim.Optimizer,
-                        model: torch.nn.Module, backend: str | Callable, kwargs: dict[str, Any],
-                        scaling: bool = False) -> str | None:
-    """The cuda_graphs mode a step runs in: the one asked for, "compiled" for the default, and for "auto"
-    "step" where nothing known refuses the capture (else "compiled", with a warning where the caller did not
-    ask for per-graph replays or profiling)."""
-    if cuda_graphs is None:
-        return "compiled"
-    if cuda_graphs != "auto":
-        return cuda_graphs
-    options = kwargs.get("options") or {}
-    if (not on_cuda or kwargs.get("mode") == "reduce-overhead" or options.get("cudagraphs")
-            or options.get("profile") or backend == "cudagraphs"):
-        return "compiled"   # the CPU, or graphs (or per-layer profiling) of each compiled piece asked for
-    from comera_compile.graphs import check_capturable
-
-    try:
-        if scaling:
-            raise ValueError("a loss scaler (float16 autocast) reads its overflow check on the host at every "
-                             "step; autocast=torch.bfloat16 needs none")
-        check_capturable(optimizer, model)
-    except ValueError as e:
-        warnings.warn(f"compile_step(cuda_graphs='auto'): the step runs with cuda_graphs='compiled' (each "
-                      f"compiled graph replayed on its own), not as one CUDA graph: {e}", stacklevel=3)
-        return "compiled"
-    return "step"
-
-
-def _without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: str) -> dict[str, Any]:
-    """torch.compile's arguments with the compiled graphs' own CUDA Graphs off: backend "comera"'s option
-    ``cudagraphs`` False; mode "reduce-overhead" is an error where the whole step is one graph (a graph
-    cannot be captured inside another) and dropped for the optimizer step."""
-    kwargs = dict(kwargs)
-    if kwargs.get("mode") == "reduce-overhead":
-        if why != "optimizer":
-            raise ValueError(f"cuda_graphs={why!r} with mode='reduce-overhead', which replays each compiled graph "
-                             f"as a CUDA graph of its own: leave mode unset (or cuda_graphs at its default)")
-        kwargs.pop("mode")
-    if backend == "comera":
-        options = dict(kwargs.get("options") or {})
-        if options.get("cudagraphs") and why != "optimizer":
-            raise ValueError(f"cuda_graphs={why!r} with options={{'cudagraphs': True}}: the two disagree; drop "
-                             f"the option")
-        options["cudagraphs"] = False
-        kwargs["options"] = options
-    return kwargs
 
 
 def _loss_of(output: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import comera_compile as cc
-from comera_compile.step import _choose_cuda_graphs
+from comera_compile.step_modes import choose_cuda_graphs
 from helpers import BlockNet
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -115,7 +115,7 @@ def test_loss_scaling_refuses_the_modes_it_cannot_run_in():
     with pytest.raises(ValueError, match="compile_optimizer"):
         cc.compile_step(model, nn.CrossEntropyLoss(), opt, autocast=torch.float16, compile_optimizer=True)
     with pytest.warns(UserWarning, match="loss scaler"):
-        chosen = _choose_cuda_graphs("auto", True, opt, model, "comera", {}, scaling=True)
+        chosen = choose_cuda_graphs("auto", True, opt, model, "comera", {}, scaling=True)
     assert chosen == "compiled"
     with warnings.catch_warnings():
         warnings.simplefilter("error")

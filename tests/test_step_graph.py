@@ -541,3 +541,32 @@ def test_auto_falls_back_to_per_graph_replays_where_a_setting_changes_at_every_s
     assert step.cuda_graphs == "compiled" and sim.captured == 0
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
     _assert_same_params(model, ref)
+
+
+def test_mode_and_options_together_reach_backend_comera_and_the_optimizer_step(monkeypatch):
+    """torch.compile refuses a mode beside options; compile_step hands backend "comera" the mode's Inductor
+    settings inside its options (below the options' own), also where it adds options of its own for the
+    compiled optimizer step: the blocks' and the optimizer's compiles get the mode's max_autotune, and the
+    steps train as eager ones."""
+    from comera_compile import backend as comera_backend_module
+    from comera_compile.step_modes import compile_kwargs
+
+    kwargs = compile_kwargs("comera", "max-autotune-no-cudagraphs", {"fast_dropout": False,
+                                                                     "inductor": {"coordinate_descent_tuning": False}})
+    assert "mode" not in kwargs and kwargs["options"]["fast_dropout"] is False
+    assert kwargs["options"]["inductor"] == {"max_autotune": True, "coordinate_descent_tuning": False}
+    seen = []
+    real = comera_backend_module.inductor_config
+    monkeypatch.setattr(comera_backend_module, "inductor_config",
+                        lambda devices, mode, options: seen.append(real(devices, mode, options)) or seen[-1])
+    batches = _batches(3)
+    ref = _net()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="comera", mode="max-autotune-no-cudagraphs",
+                           options={"fast_dropout": False}, compile_optimizer=True)
+    losses, ref_losses = _train_both(step, _eager_step(ref, ref_opt), batches)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+    _assert_same_params(model, ref)
+    assert len(seen) >= 2 and all(patches.get("max_autotune") for patches in seen)
