@@ -290,6 +290,43 @@ def test_re_allocations_do_not_use_up_dynamo_s_recompile_limit(mode, fresh_dynam
     assert graphs == ([1, 2, 3, 4] if mode == "whole-model" else [2, 4, 6, 8]) and eager_blocks(model) == {}
 
 
+def test_a_compiled_optimizer_step_stays_compiled_through_re_allocations(fresh_dynamo, caplog):
+    """compile_step(compile_optimizer=True): each re-allocation compiles the optimizer step anew (new
+    Parameters), in frames of torch's step wrapper and of torch.optim.sgd's functions; six of them under a
+    recompile limit of 3 leave it compiled (RankAdaptive drops the old graphs) and say nothing, and the steps
+    train as an eager twin's.  Kept, the old graphs sent the step to eager, unsaid, at dynamo's limit."""
+    from helpers import BlockNet
+
+    torch.manual_seed(0)
+    model = cc.tensorize(BlockNet(), rank=8, min_features=16).double()
+    twin = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, realloc_at=1.0)
+    twin_ra = cc.RankAdaptive(twin, optimizer=twin_opt, cut_every=1, realloc_at=1.0)
+    step = cc.compile_step(model, nn.CrossEntropyLoss(), opt, backend="eager", compile_optimizer=True,
+                           rank_adaptive=ra)
+    g = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=3), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for era in range(6):
+            with torch.no_grad():   # one more slice off on every layer's middle bond: the check cuts it out
+                for r in (ra, twin_ra):
+                    for layer in r.layers.values():
+                        layer.gates[1][int(layer.gates[1].ne(0).nonzero()[0])] = 0.0
+            x, y = torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g)
+            loss = step(x, y)
+            twin_loss = F.cross_entropy(twin(x), y)
+            twin_loss.backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+            twin_ra.step(twin_loss.detach())
+            torch.testing.assert_close(loss, twin_loss.detach(), rtol=1e-12, atol=1e-12)
+    assert ra.cuts == twin_ra.cuts == 6
+    assert not [w for w in said if "recompile limit" in str(w.message)]
+    assert not [r for r in caplog.records if "recompile_limit" in r.getMessage()]   # dynamo's own word of it
+
+
 def _eager_step_of(model: nn.Module, opt: torch.optim.Optimizer):
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         F.cross_entropy(model(x), y).backward()
