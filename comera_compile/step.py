@@ -18,7 +18,8 @@ from comera_compile.memory import keep_freed_memory
 from comera_compile.micro_batches import (accumulate, averaging_processes, check_row_weights, own_gradients, pack,
                                           resolve_weights, unpack)
 from comera_compile.regional import compile_blocks
-from comera_compile.step_modes import choose_cuda_graphs, compile_kwargs, without_cuda_graphs
+from comera_compile.step_modes import (choose_cuda_graphs, compile_kwargs, compiled_optimizer_step,
+                                       without_cuda_graphs)
 
 if TYPE_CHECKING:
     from comera_compile.rank_adaptive import RankAdaptive
@@ -209,7 +210,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         for group in optimizer.param_groups:
             group.pop(FAST_KEY, None)
         owner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        opt_step = _compiled_optimizer_step(optimizer, owner, backend, without_cuda_graphs(kwargs, backend,
+        opt_step = compiled_optimizer_step(optimizer, owner, backend, without_cuda_graphs(kwargs, backend,
                                                                                            "optimizer"))
     else:
         prefer_fast_implementation(optimizer)
@@ -318,59 +319,6 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     if rank_adaptive is not None and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         _stale_after_reallocations(step, rank_adaptive)
     return step
-
-
-def _compiled_optimizer_step(optimizer: torch.optim.Optimizer, owner: torch.nn.Module, backend: str | Callable,
-                             kwargs: dict[str, Any]) -> Callable[[], Any]:
-    """The optimizer step compiled, its graphs (and those of torch's step wrapper, which dynamo compiles as a
-    frame of its own) dropped by drop_stale_graphs at each re-allocation: each re-allocation's graph counted
-    toward dynamo's recompile limit, and after about eight the step ran eagerly, unsaid.  A limit reached all
-    the same runs the step eagerly from then on, with a warning."""
-    def optimizer_step() -> Any:
-        return optimizer.step()
-
-    owner.__dict__.setdefault("_comera_compiled_codes", set()).update(_step_codes(optimizer, optimizer_step))
-    compiled = torch.compile(optimizer_step, backend=backend, **kwargs)
-    config = torch._dynamo.config
-    if not hasattr(config, "fail_on_recompile_limit_hit"):   # a torch without it: dynamo's own fallback
-        return compiled
-    from torch._dynamo.exc import FailOnRecompileLimitHit
-
-    eager: list[bool] = []
-
-    def run() -> Any:
-        if eager:
-            return optimizer.step()
-        before, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True
-        try:
-            return compiled()
-        except FailOnRecompileLimitHit:
-            eager.append(True)
-            warnings.warn("compile_step(compile_optimizer=True): dynamo's recompile limit was reached for the "
-                          "optimizer step, which runs eagerly from now on (same results, slower); see which guard "
-                          "failed with TORCH_LOGS=recompiles, or raise torch._dynamo.config.recompile_limit",
-                          stacklevel=3)
-            return optimizer.step()
-        finally:
-            config.fail_on_recompile_limit_hit = before
-
-    return run
-
-
-def _step_codes(optimizer: torch.optim.Optimizer, entry: Callable[..., Any]) -> set[Any]:
-    """The code objects a compiled optimizer step leaves graphs on: dynamo resumes after graph breaks in
-    frames of torch's step wrapper, the optimizer's methods and its module's functions (torch.optim.sgd's
-    ``sgd``, ``_multi_tensor_sgd``), each counting recompiles of its own."""
-    import inspect
-    import sys
-
-    funcs = [entry, getattr(optimizer.step, "__func__", None)]
-    for cls in type(optimizer).__mro__[:-1]:
-        funcs += [inspect.unwrap(f) for f in vars(cls).values() if inspect.isfunction(f)]
-        funcs += [f for f in vars(sys.modules.get(cls.__module__, inspect)).values()
-                  if inspect.isfunction(f) and f.__module__ == cls.__module__]
-    funcs += [getattr(f, "__wrapped__", None) for f in funcs]
-    return {f.__code__ for f in funcs if inspect.isfunction(f)}
 
 
 def _stale_after_reallocations(step: Any, ra: Any) -> None:

@@ -1,7 +1,9 @@
 """compile_step's torch.compile arguments and CUDA Graph mode: the mode and options as torch.compile takes
 them (backend "comera" takes a mode's Inductor settings as options, where torch.compile refuses both), which
 ``cuda_graphs`` mode a step runs in, and the arguments with each compiled graph's own CUDA Graphs off where
-the whole step is captured as one (or for the optimizer step).  Apart from step.py, which builds the step."""
+the whole step is captured as one (or for the optimizer step), and the optimizer step compiled
+(compile_optimizer=True) so that re-allocations do not use up dynamo's recompile limit.  Apart from step.py,
+which builds the step."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["compile_kwargs", "choose_cuda_graphs", "without_cuda_graphs"]
+__all__ = ["compile_kwargs", "choose_cuda_graphs", "without_cuda_graphs", "compiled_optimizer_step"]
 
 
 def compile_kwargs(backend: str | Callable, mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
@@ -85,3 +87,56 @@ def without_cuda_graphs(kwargs: dict[str, Any], backend: str | Callable, why: st
         options["cudagraphs"] = False
         kwargs["options"] = options
     return kwargs
+
+
+def compiled_optimizer_step(optimizer: torch.optim.Optimizer, owner: torch.nn.Module, backend: str | Callable,
+                             kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """The optimizer step compiled, its graphs (and those of torch's step wrapper, which dynamo compiles as a
+    frame of its own) dropped by drop_stale_graphs at each re-allocation: each re-allocation's graph counted
+    toward dynamo's recompile limit, and after about eight the step ran eagerly, unsaid.  A limit reached all
+    the same runs the step eagerly from then on, with a warning."""
+    def optimizer_step() -> Any:
+        return optimizer.step()
+
+    owner.__dict__.setdefault("_comera_compiled_codes", set()).update(_step_codes(optimizer, optimizer_step))
+    compiled = torch.compile(optimizer_step, backend=backend, **kwargs)
+    config = torch._dynamo.config
+    if not hasattr(config, "fail_on_recompile_limit_hit"):   # a torch without it: dynamo's own fallback
+        return compiled
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    eager: list[bool] = []
+
+    def run() -> Any:
+        if eager:
+            return optimizer.step()
+        before, config.fail_on_recompile_limit_hit = config.fail_on_recompile_limit_hit, True
+        try:
+            return compiled()
+        except FailOnRecompileLimitHit:
+            eager.append(True)
+            warnings.warn("compile_step(compile_optimizer=True): dynamo's recompile limit was reached for the "
+                          "optimizer step, which runs eagerly from now on (same results, slower); see which guard "
+                          "failed with TORCH_LOGS=recompiles, or raise torch._dynamo.config.recompile_limit",
+                          stacklevel=3)
+            return optimizer.step()
+        finally:
+            config.fail_on_recompile_limit_hit = before
+
+    return run
+
+
+def _step_codes(optimizer: torch.optim.Optimizer, entry: Callable[..., Any]) -> set[Any]:
+    """The code objects a compiled optimizer step leaves graphs on: dynamo resumes after graph breaks in
+    frames of torch's step wrapper, the optimizer's methods and its module's functions (torch.optim.sgd's
+    ``sgd``, ``_multi_tensor_sgd``), each counting recompiles of its own."""
+    import inspect
+    import sys
+
+    funcs = [entry, getattr(optimizer.step, "__func__", None)]
+    for cls in type(optimizer).__mro__[:-1]:
+        funcs += [inspect.unwrap(f) for f in vars(cls).values() if inspect.isfunction(f)]
+        funcs += [f for f in vars(sys.modules.get(cls.__module__, inspect)).values()
+                  if inspect.isfunction(f) and f.__module__ == cls.__module__]
+    funcs += [getattr(f, "__wrapped__", None) for f in funcs]
+    return {f.__code__ for f in funcs if inspect.isfunction(f)}
