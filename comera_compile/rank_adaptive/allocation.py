@@ -9,7 +9,13 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["Allocation"]
+__all__ = ["Allocation", "gates_of"]
+
+
+def gates_of(layer: Any) -> list[torch.Tensor]:
+    """A TT layer's gates, in bond order, as a list (read once per step per layer: iterating the
+    ParameterList looks each one up by its string index, a few microseconds a gate)."""
+    return list(layer.gates._parameters.values())
 
 
 class Allocation:
@@ -28,7 +34,7 @@ class Allocation:
         """The first layer whose gates are no longer the masks' size (the model's ranks changed under them, as
         loading a checkpoint of other ranks does), else None."""
         return next((name for name, m in self.layers.items()
-                     if any(k.shape != g.shape for k, g in zip(self.masks[name], m.gates))), None)
+                     if any(k.shape != g.shape for k, g in zip(self.masks[name], gates_of(m)))), None)
 
     def update(self) -> None:
         """Refresh what follows from the masks (size, ranks, the masked bonds) after they change."""

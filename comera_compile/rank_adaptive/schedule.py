@@ -25,9 +25,9 @@ from ..optim import prefer_fast_implementation, skipped_step, unwrapped, watch_o
 from ..optim_state import replace, rescale, restart
 from ..regional import drop_stale_graphs
 from . import cuts
-from .allocation import Allocation
+from .allocation import Allocation, gates_of
 from .divergence import check_finite
-from .penalty import KINDS, penalty, proximal_step
+from .penalty import KINDS, flat_penalty, penalty, proximal_step
 from .reports import Reports
 
 __all__ = ["RankAdaptive", "BALANCE_EVERY", "REBUILD_STEPS", "rank_adaptive_of", "host_state"]
@@ -200,7 +200,7 @@ class RankAdaptive(Reports):
     def penalty(self) -> torch.Tensor:
         """R: the mean penalty over the active gate entries of every TT layer, in the balanced gauge."""
         masks = self._view.masks(self._alloc.masks)
-        return penalty([self._view.local(g) for layer in self.layers.values() for g in layer.gates],
+        return penalty([self._view.local(g) for layer in self.layers.values() for g in gates_of(layer)],
                        [m for name in self.layers for m in masks[name]], self.penalty_kind, self.pull_below,
                        self._view.mean)
 
@@ -268,16 +268,16 @@ class RankAdaptive(Reports):
             with view.unsharded(self.optimizer):
                 for name, layer in self.layers.items():
                     alloc.importance[name] = self._balance(layer)
-        params = [g for layer in self.layers.values() for g in layer.gates]
+        params = [g for layer in self.layers.values() for g in gates_of(layer)]
         gates = [view.local(g) for g in params]   # the update is elementwise: this process's part
+        steps = None
         if shrinking:
             lrs = _learning_rates(self.optimizer)
-            proximal_step(gates, [self.gamma * lrs.get(id(g), self.prox_lr) for g in params], self.penalty_kind,
-                          self.pull_below)
+            steps = [self.gamma * lrs.get(id(g), self.prox_lr) for g in params]
         masks = view.masks(alloc.masks)
-        for name, k in alloc.masked:
-            view.local(self.layers[name].gates[k]).mul_(masks[name][k].to(gates[0].dtype))
-        self._penalty_t.copy_(self.penalty())
+        flat, mask = proximal_step(gates, [m for name in self.layers for m in masks[name]], steps,
+                                   self.penalty_kind, self.pull_below)   # and the switched-off entries zeroed
+        self._penalty_t.copy_(flat_penalty(flat, mask, self.penalty_kind, self.pull_below, view.mean))
         if self.late_stage_at is not None and self.stage == "early" and self.steps >= self.late_stage_at:
             self.stage, self._loss_ema = "late", _dist.replica_mean(self._loss_ema, self._penalty_t.device,
                                                                    self.process_group)
