@@ -54,11 +54,15 @@ def run(quick: bool = False, batch: int = 8, seq: int = 128) -> list[dict]:
 def _ra_step_row(model: nn.Module, step_s: float) -> dict:
     """RankAdaptive.step's own time, beside the training step it follows: a plain step (proximal step, masks,
     penalty), and the mean over one whole check cycle (cut_every = 100 calls: ten re-balancings and a check),
-    measured on a copy of the model after one step's warm-up."""
+    measured on a copy of the model whose optimizer holds state, after one step's warm-up."""
     import time
 
     model = copy.deepcopy(model)
-    ra = cc.RankAdaptive(model, optimizer=torch.optim.AdamW(cc.param_groups(model)), realloc_at=None)
+    opt = torch.optim.AdamW(cc.param_groups(model))
+    ra = cc.RankAdaptive(model, optimizer=opt, realloc_at=None)
+    for p in model.parameters():   # the optimizer's state, which re-balancings carry and checks restart
+        p.grad = torch.zeros_like(p)
+    opt.step()
     ra.step()
     times = []
     for _ in range(ra.cut_every):

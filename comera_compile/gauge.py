@@ -9,7 +9,7 @@ import torch
 
 from .layers import TTLayer
 
-__all__ = ["balance", "canonicalize", "frobenius_norm"]
+__all__ = ["balance", "balance_layers", "canonicalize", "frobenius_norm"]
 
 # Below this fraction of its bond's largest, a half's column norm (balance) is float32 noise: the slice is not
 # rescaled by it.
@@ -27,37 +27,46 @@ _DROPPED = 1e-4
 
 def _grams(flat: list[torch.Tensor], g: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """For every bond k, the Gram matrices L_k^T L_k and R_k R_k^T of the train's two halves (gate k itself
-    excluded), from 3-way cores `flat` and gates `g`, by the usual transfer-matrix sweeps."""
+    excluded), from 3-way cores `flat` and gates `g` with a leading batch dimension (layers of one shape), by
+    the usual transfer-matrix sweeps."""
     n = len(flat)
     left, right = [], [torch.empty(0)] * (n - 1)
     gram = None
     for k in range(n - 1):
         c = flat[k]
-        rhs = c if gram is None else torch.einsum("ab,bmk->amk", gram * g[k - 1][:, None] * g[k - 1], c)
-        gram = torch.einsum("amj,amk->jk", c, rhs)
+        rhs = c if gram is None else torch.einsum("zab,zbmk->zamk", gram * g[k - 1][:, :, None] * g[k - 1][:, None],
+                                                  c)
+        gram = torch.einsum("zamj,zamk->zjk", c, rhs)
         left.append(gram)
     gram = None
     for k in range(n - 2, -1, -1):
         c = flat[k + 1]
-        rhs = c if gram is None else torch.einsum("ab,kmb->kma", gram * g[k + 1][:, None] * g[k + 1], c)
-        gram = torch.einsum("jma,kma->jk", c, rhs)
+        rhs = c if gram is None else torch.einsum("zab,zkmb->zkma", gram * g[k + 1][:, :, None] * g[k + 1][:, None],
+                                                  c)
+        gram = torch.einsum("zjma,zkma->zjk", c, rhs)
         right[k] = gram
     return left, right
 
 
 def _weight_norm(left: list[torch.Tensor], right: list[torch.Tensor], g: list[torch.Tensor]) -> torch.Tensor:
-    """The Frobenius norm of the layer's weight, from the Gram matrices of its first bond and that bond's gate."""
-    return torch.sqrt((left[0] * g[0][:, None] * g[0] * right[0]).sum().clamp_min(0))
+    """The Frobenius norm of each layer's weight, from the Gram matrices of its first bond and that bond's gate."""
+    return torch.sqrt((left[0] * g[0][:, :, None] * g[0][:, None] * right[0]).sum((1, 2)).clamp_min(0))
+
+
+def _stacked(layers: list[TTLayer]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The layers' cores (3-way) and gates in float64, stacked along a leading batch dimension."""
+    cores = [torch.stack([m.cores[k].detach() for m in layers]) for k in range(len(layers[0].cores))]
+    flat = [c.reshape(c.shape[0], c.shape[1], -1, c.shape[-1]).double() for c in cores]
+    return flat, [torch.stack([m.gates[k].detach() for m in layers]).double() for k in range(len(layers[0].gates))]
 
 
 @torch.no_grad()
 def frobenius_norm(layer: TTLayer) -> float:
     """The Frobenius norm of the layer's weight (cores and gates), without forming it."""
-    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-    if len(flat) < 2:
-        return float(flat[0].norm()) if flat else 0.0
-    g = [x.detach().double() for x in layer.gates]
-    return float(_weight_norm(*_grams(flat, g), g))
+    if len(layer.cores) < 2:
+        return float(layer.cores[0].detach().double().norm()) if len(layer.cores) else 0.0
+    flat, g = _stacked([layer])
+    return float(_weight_norm(*_grams(flat, g), g)[0])
 
 
 @torch.no_grad()
@@ -68,36 +77,72 @@ def balance(layer: TTLayer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     relative to the layer's Frobenius norm (comparable across layers), and the factor f (float64) each gate
     was multiplied by: its optimizer moments belong in the new scale (optim_state.rescale).  A layer in 16
     bits is balanced to within _SLACK_16_BIT: a slice nearer than that keeps its entries unrounded."""
-    n = len(layer.cores)
-    if n < 2:
-        return [], []
-    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-    g = [x.detach().double() for x in layer.gates]
+    return balance_layers([layer])[0]
+
+
+def _shape_key(layer: TTLayer) -> tuple:
+    return (tuple((tuple(c.shape), c.dtype, c.device) for c in layer.cores),
+            tuple((tuple(g.shape), g.dtype) for g in layer.gates))
+
+
+@torch.no_grad()
+def balance_layers(layers: list[TTLayer]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """``balance`` of every layer, layers of one shape computed together (a few batched operations per bond
+    for all of them, not a few dozen per layer: the re-balancing runs every 10 steps, each operation a kernel
+    launch on a GPU); returns each layer's (relative, factors) in order."""
+    out: list = [None] * len(layers)
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if len(layer.cores) < 2:
+            out[i] = ([], [])
+        else:
+            groups.setdefault(_shape_key(layer), []).append(i)
+    for members in groups.values():
+        for i, result in zip(members, _balance_group([layers[i] for i in members])):
+            out[i] = result
+    return out
+
+
+def _balance_group(layers: list[TTLayer]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    first = layers[0]
+    n = len(first.cores)
+    flat, g = _stacked(layers)
     left, right = _grams(flat, g)
-    norm = _weight_norm(left, right, g)
-    slack = _SLACK_16_BIT if torch.finfo(layer.cores[0].dtype).bits <= 16 else 0.0
-    relative, factors = [], []
+    norm = _weight_norm(left, right, g)[:, None]
+    tiny = torch.finfo(torch.float64).tiny
+    slack = _SLACK_16_BIT if torch.finfo(first.cores[0].dtype).bits <= 16 else 0.0
+    row, col = [None] * n, [None] * n   # each core's factors: rows (bond k - 1's fb), columns (bond k's fa)
+    relative, factors, new_gates = [], [], []
     for k in range(n - 1):
-        a, b = left[k].diagonal().clamp_min(0).sqrt(), right[k].diagonal().clamp_min(0).sqrt()
+        a = left[k].diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()
+        b = right[k].diagonal(dim1=1, dim2=2).clamp_min(0).sqrt()
         term = a * g[k].abs() * b
-        s = term.max()
+        s = term.amax(1, keepdim=True)
         # a slice with no term (a zero gate whose half of the train vanishes) keeps its scale: dividing by a
         # vanishing norm would give its cores entries of 1e30 for nothing
-        ok = (a > _NEGLIGIBLE * a.max()) & (b > _NEGLIGIBLE * b.max()) & (s > 0)
+        ok = (a > _NEGLIGIBLE * a.amax(1, keepdim=True)) & (b > _NEGLIGIBLE * b.amax(1, keepdim=True)) & (s > 0)
         if slack:
             off = torch.stack([a, b / s, a * b / s]).log().abs().amax(0)   # each factor's distance from 1
             ok &= torch.nan_to_num(off, nan=0.0) > slack
         one = torch.ones_like(a)
-        fa = torch.where(ok, 1 / torch.where(ok, a, one), one)
-        fb = torch.where(ok, s / torch.where(ok, b, one), one)
-        core_l, core_r, gate = layer.cores[k], layer.cores[k + 1], layer.gates[k]
-        core_l.mul_(fa.to(core_l.dtype).reshape(*([1] * (core_l.dim() - 1)), -1))
-        core_r.mul_(fb.to(core_r.dtype).reshape(-1, *([1] * (core_r.dim() - 1))))
-        fg = torch.where(ok, a * b / s.clamp_min(torch.finfo(torch.float64).tiny), one)
-        gate.mul_(fg.to(gate.dtype))
+        col[k] = torch.where(ok, 1 / torch.where(ok, a, one), one)
+        row[k + 1] = torch.where(ok, s / torch.where(ok, b, one), one)
+        fg = torch.where(ok, a * b / s.clamp_min(tiny), one)
+        gate_dtype = first.gates[k].dtype
+        new_gates.append(torch.stack([m.gates[k].detach() for m in layers]).mul_(fg.to(gate_dtype)))
         factors.append(fg)
-        relative.append((term / norm.clamp_min(torch.finfo(torch.float64).tiny)).to(gate.dtype))
-    return relative, factors
+        relative.append((term / norm.clamp_min(tiny)).to(gate_dtype))
+    for k in range(n):   # as bond k - 1 then bond k would scale it: rows first, in the core's dtype
+        cores = torch.stack([m.cores[k].detach() for m in layers])
+        shape = (len(layers), -1, *([1] * (cores.dim() - 2)))
+        if row[k] is not None:
+            cores.mul_(row[k].to(cores.dtype).reshape(shape))
+        if col[k] is not None:
+            cores.mul_(col[k].to(cores.dtype).reshape(len(layers), *([1] * (cores.dim() - 2)), -1))
+        torch._foreach_copy_([m.cores[k] for m in layers], list(cores.unbind(0)))
+    for k, stacked in enumerate(new_gates):
+        torch._foreach_copy_([m.gates[k] for m in layers], list(stacked.unbind(0)))
+    return [([r[i] for r in relative], [f[i] for f in factors]) for i in range(len(layers))]
 
 
 @torch.no_grad()

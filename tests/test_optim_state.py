@@ -146,3 +146,33 @@ def test_a_rounding_keeps_rprop_s_step_sizes_and_asgd_s_average_in_the_new_basis
         a.mul_(-1.0)   # the rounding rotated it
     replace(asgd, [(a, a)], restart)
     assert torch.equal(asgd.state[a]["ax"], a.detach())
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENT_STATE))
+def test_rescale_all_of_many_gates_gives_each_the_state_rescale_gives_it(name):
+    """rescale_all (every gate's state entry of one kind in one concatenated operation, as RankAdaptive's
+    re-balancing uses it) leaves each of several gates of different lengths and dtypes the state that rescale
+    gives it alone."""
+    from comera_compile.optim_state import rescale_all
+
+    cls, kwargs = GRADIENT_STATE[name]
+    if cls is None:
+        pytest.skip("this torch has no Adafactor")
+    torch.manual_seed(0)
+    sizes, dtypes = (6, 3, 9, 1), (torch.float32, torch.float64, torch.float32, torch.float32)
+    gates = [torch.nn.Parameter(torch.rand(n, dtype=dt) + 0.5) for n, dt in zip(sizes, dtypes)]
+    opt = cls(gates, lr=1e-3, **kwargs)
+    for _ in range(3):
+        for g in gates:
+            g.grad = torch.randn_like(g)
+        opt.step()
+    factors = {id(g): torch.rand(g.numel(), dtype=torch.float64) * 4 + 0.1 for g in gates}
+    alone = copy.deepcopy(opt.state_dict())
+    rescale_all(opt, gates, factors)
+    ref = cls([torch.nn.Parameter(g.detach().clone()) for g in gates], lr=1e-3, **kwargs)
+    ref.load_state_dict(alone)
+    for g, r in zip(gates, ref.param_groups[0]["params"]):
+        replace(ref, [(r, r)], rescale({id(r): factors[id(g)]}, ref))
+        for key, value in ref.state[r].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(opt.state[g][key], value), f"{name}'s {key}"

@@ -17,12 +17,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import distributed as _dist
-from ..gauge import balance, canonicalize
+from ..gauge import balance_layers, canonicalize
 from ..graphs import capturing
 from ..distributed.checkpoint import state_dict_layers
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
-from ..optim_state import replace, rescale, restart
+from ..optim_state import replace, rescale_all, restart
 from ..regional import drop_stale_graphs
 from . import cuts
 from .allocation import Allocation, gates_of
@@ -74,6 +74,18 @@ def _follow_the_model(ra: "RankAdaptive") -> None:
         f"{ra.layers[stale].spec.ranks}, not the {(1, *(m.numel() for m in ra._alloc.masks[stale]), 1)} it "
         f"holds masks for: weights of other ranks were loaded into the model.  Load the RankAdaptive state saved with them (ra.load_state_dict"
         f"(...)), or build a new RankAdaptive after loading the model")
+
+
+def _balance_all(ra: "RankAdaptive", carry: bool) -> None:
+    """Balance every layer (layers of one shape together), keep each slice's importance, and with `carry` the
+    gates' optimizer moments carried into their new scale."""
+    scales: dict[int, torch.Tensor] = {}
+    for (name, layer), (importance, factors) in zip(ra.layers.items(), balance_layers(list(ra.layers.values()))):
+        ra._alloc.importance[name] = importance
+        scales.update((id(g), f) for g, f in zip(gates_of(layer), factors))
+    if carry:
+        rescale_all(ra.optimizer, [g for layer in ra.layers.values() for g in gates_of(layer) if id(g) in scales],
+                    scales)
 
 
 def _learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[int, float]:
@@ -266,8 +278,7 @@ class RankAdaptive(Reports):
         alloc, view = self._alloc, self._view
         if (self.steps - 1) % BALANCE_EVERY == 0:
             with view.unsharded(self.optimizer):
-                for name, layer in self.layers.items():
-                    alloc.importance[name] = self._balance(layer)
+                _balance_all(self, carry=True)
         params = [g for layer in self.layers.values() for g in gates_of(layer)]
         gates = [view.local(g) for g in params]   # the update is elementwise: this process's part
         steps = None
@@ -290,13 +301,6 @@ class RankAdaptive(Reports):
             self._reallocated()
         return reallocated
 
-    def _balance(self, layer: TTLayer) -> list[torch.Tensor]:
-        """Balance `layer`, its gates' moments carried into their new scale; returns the slices' importance."""
-        importance, factors = balance(layer)
-        replace(self.optimizer, [(g, g) for g in layer.gates[:len(factors)]],
-                rescale({id(g): f for g, f in zip(layer.gates, factors)}, self.optimizer))
-        return importance
-
     def _check(self) -> bool:
         """The check every cut_every steps, on whole tensors; returns whether it re-allocated."""
         alloc = self._alloc
@@ -309,9 +313,9 @@ class RankAdaptive(Reports):
             for name, layer in self.layers.items():
                 canonicalize(layer)
                 replace(self.optimizer, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
-                # the gates' moments stay in the balanced scale (first ones restarted, second ones averaged),
-                # not the singular values' scale the rounding left the gates in: nothing to carry
-                alloc.importance[name] = balance(layer)[0]
+            # the gates' moments stay in the balanced scale (first ones restarted, second ones averaged), not the
+            # singular values' scale the rounding left the gates in: nothing to carry
+            _balance_all(self, carry=False)
             alloc.switch_off(self.tau, self.size_target if self.stage == "late" else None)
             if self.stage == "late":
                 self._prune_toward_target()
