@@ -250,25 +250,36 @@ def trainer_callback(ra: Any) -> Any:
     import torch
     from transformers import TrainerCallback
 
+    from .optim import step_learning_rates, unwrapped
     from .regional import is_compiled_block
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     def folder(args: Any, state: Any) -> str:
         return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
-    def resumed_from(args: Any, state: Any) -> str:
-        """The checkpoint ``train(resume_from_checkpoint=...)`` resumed from.  transformers hands callbacks no
-        path, so it is read from the Trainer's training loop that called this one; failing that, the folder
-        the Trainer writes for this step under output_dir."""
+    def resume_argument() -> str | None:
+        """The checkpoint ``train(resume_from_checkpoint=...)`` resumes from, or None.  transformers hands
+        callbacks no path, so it is read from the Trainer's training loop that called this one."""
         frame = inspect.currentframe()
         while frame is not None:
             if frame.f_code.co_name == "_inner_training_loop":
                 path = frame.f_locals.get("resume_from_checkpoint")
-                if isinstance(path, (str, os.PathLike)):
-                    return os.fspath(path)
-                break
+                return os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
             frame = frame.f_back
-        return folder(args, state)
+        return None
+
+    def plain_gate_groups(ra: Any) -> None:
+        """Say where the Trainer's optimizer holds RankAdaptive's gates as it holds any weight (decayed, or at
+        the cores' rate): the proximal step then shrinks them by gamma x that rate, a twentieth of CoMERA's."""
+        groups = ra.optimizer.param_groups
+        gates = {id(g) for layer in ra.layers.values() for g in layer.gates}
+        cores = {id(c) for layer in ra.layers.values() for c in layer.cores}
+        held = [gr for gr in groups if any(id(p) in gates for p in gr["params"])]
+        if any(gr.get("weight_decay", 0) > 0 or any(id(p) in cores for p in gr["params"]) for gr in held):
+            warnings.warn("the Trainer's optimizer holds RankAdaptive's gates as it holds any weight (weight decay, "
+                          "or the cores' learning rate) where CoMERA runs them undecayed at 20x the rate: pass "
+                          "Trainer(..., optimizers=(torch.optim.AdamW(cc.param_groups(model, lr)), None))",
+                          stacklevel=2)
 
     def compiled_blocks(model: Any) -> bool:
         return model is not None and any(is_compiled_block(m) for m in model.modules())
@@ -305,13 +316,17 @@ def trainer_callback(ra: Any) -> Any:
                     f"which would go on syncing the old cores while the replicas drift apart.  Build it with "
                     f"cc.RankAdaptive(model, realloc_at=None, ...): switched-off slices then stay allocated as zeros "
                     f"until this callback cuts them out at the end of training.  Nothing was trained")
-            if state.global_step > ra.steps:   # resumed (else a fresh run, or ra's state already loaded)
-                load(resumed_from(args, state), f"the Trainer resumes at step {state.global_step} and "
-                                                f"RankAdaptive is at step {ra.steps}")
+            # resumed: from the checkpoint's state, whatever ra holds (a run stopped in this process left it at a
+            # later step, or at the step the checkpoint was taken with other ranks and masks)
+            resumed = resume_argument()
+            if resumed is not None or state.global_step > ra.steps:
+                load(resumed or folder(args, state), f"the Trainer resumes at step {state.global_step} and "
+                                                     f"RankAdaptive is at step {ra.steps}")
             if optimizer is not None:
                 # before the first step (a float16 overflow there is seen and skipped); a second Trainer over the
                 # same model brings its own optimizer, which the cuts must update from now on
                 ra.attach(optimizer)
+                plain_gate_groups(ra)
             if args.torch_compile and compiled_blocks(model):
                 warnings.warn(
                     f"TrainingArguments(torch_compile=True) compiles the whole model with backend "
@@ -324,6 +339,11 @@ def trainer_callback(ra: Any) -> Any:
 
         def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.losses.clear()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None,
+                              **kwargs: Any) -> None:
+            # the learning rates of the step just taken: the Trainer steps its scheduler before on_step_end
+            step_learning_rates(ra, unwrapped(optimizer) if optimizer is not None else ra.optimizer)
 
         def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
             if optimizer is not None:

@@ -183,3 +183,16 @@ def _record_found_inf(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
         _FOUND_INF[optimizer] = found_inf
     else:
         _FOUND_INF.pop(optimizer, None)
+
+
+def learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[int, float]:
+    """Each parameter's learning rate in `optimizer` (by id), as its group holds it now."""
+    groups = optimizer.param_groups if optimizer is not None else []
+    return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
+
+
+def step_learning_rates(ra: Any, optimizer: torch.optim.Optimizer | None) -> None:
+    """Record the learning rates of the optimizer step just taken, for ra's next step (its proximal step's
+    size) where a scheduler steps before it: the Trainer's order."""
+    if optimizer is not None:
+        ra._step_lrs = learning_rates(optimizer)

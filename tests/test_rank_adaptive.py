@@ -1062,6 +1062,104 @@ def test_the_trainer_resumes_a_checkpoint_taken_after_a_reallocation_as_the_run_
         run(str(tmp_path / "checkpoint-3"))
 
 
+def test_a_run_stopped_and_resumed_in_the_same_process_continues_as_the_run_that_never_stopped(tmp_path):
+    """Stopped at step 5 (a KeyboardInterrupt, after checkpoint-3 and a re-allocation at step 4) and resumed by
+    ``trainer.train(resume_from_checkpoint=True)`` on the same Trainer, model and RankAdaptive, as in a
+    notebook: the checkpoint's RankAdaptive state is loaded though RankAdaptive is past its step, and the run
+    ends as the one that never stopped.  Before, it went on from step 5's masks and ranks: an error where a
+    cut came after the checkpoint, silently other losses and ranks where none did."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (48, 16), generator=g)]
+
+    class Stop(transformers.TrainerCallback):
+        armed = True
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.armed and state.global_step == 5:
+                self.armed = False
+                raise KeyboardInterrupt
+
+    def trainer(folder, *extra):
+        model = _tiny_llama(transformers)
+        ra = RankAdaptive(model, cut_every=2, realloc_at=1.0)
+        args = transformers.TrainingArguments(
+            str(tmp_path / folder), max_steps=6, save_steps=3, per_device_train_batch_size=8, learning_rate=1e-3,
+            report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+        return model, ra, transformers.Trainer(model=model, args=args, train_dataset=data,
+                                               callbacks=[_SwitchOff(ra, transformers), ra.trainer_callback(), *extra])
+
+    straight, ra_straight, t = trainer("straight")
+    t.train()
+    model, ra, t = trainer("stopped", Stop())
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    assert ra.steps == 5 and ra.cuts == ra_straight.cuts
+    t.train(resume_from_checkpoint=True)
+    assert ra.state_dict()["history"] == ra_straight.state_dict()["history"]
+    assert (ra.steps, ra.cuts, ra.allocated_ranks()) == (ra_straight.steps, ra_straight.cuts,
+                                                         ra_straight.allocated_ranks())
+    want = straight.state_dict()
+    for name, p in model.state_dict().items():
+        torch.testing.assert_close(p, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_under_the_trainer_the_proximal_step_uses_the_learning_rate_of_the_step_just_taken(tmp_path,
+                                                                                             monkeypatch):
+    """The Trainer steps its scheduler before on_step_end, where RankAdaptive steps: the proximal step read the
+    next step's rate (5e-4 after a step at 0, none after the last step's 2.5e-4).  It now takes the rates the
+    optimizer step used, recorded at on_optimizer_step."""
+    transformers = pytest.importorskip("transformers")
+    from comera_compile.rank_adaptive import schedule
+
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (48, 16), generator=g)]
+    model = _tiny_llama(transformers)
+    ra = RankAdaptive(model, gamma=0.5)
+    gate = next(iter(ra.layers.values())).gates[0]
+    used, taken = [], []
+    real = schedule.proximal_step
+
+    def spy(gates, masks, steps, *args):
+        used.append(steps[[id(x) for x in gates].index(id(gate))] / ra.gamma)
+        return real(gates, masks, steps, *args)
+
+    class Rates(transformers.TrainerCallback):
+        def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+            taken.append(next(group["lr"] for group in optimizer.param_groups
+                              if any(p is gate for p in group["params"])))
+
+    monkeypatch.setattr(schedule, "proximal_step", spy)
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=6, warmup_steps=2, lr_scheduler_type="linear",
+                                          per_device_train_batch_size=8, learning_rate=1e-3, report_to=[],
+                                          save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Rates(), ra.trainer_callback()]).train()
+    assert len(taken) == 6 and taken[0] == 0.0 and taken[1] > 0
+    assert used == pytest.approx(taken, rel=1e-12, abs=0)
+
+
+def test_the_trainer_s_own_optimizer_is_said_to_treat_the_gates_as_any_weight(tmp_path):
+    """Without optimizers=, the Trainer decays the gates and runs them at the cores' rate, so the proximal step
+    is a twentieth of CoMERA's: a warning names the fix; an optimizer from cc.param_groups says nothing."""
+    transformers = pytest.importorskip("transformers")
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": x, "labels": x} for x in torch.randint(0, 96, (8, 16), generator=g)]
+    for own in (False, True):
+        model = _tiny_llama(transformers)
+        ra = RankAdaptive(model)
+        args = transformers.TrainingArguments(str(tmp_path), max_steps=1, per_device_train_batch_size=8,
+                                              weight_decay=0.1, report_to=[], save_strategy="no", use_cpu=True,
+                                              disable_tqdm=True)
+        opts = (torch.optim.AdamW(param_groups(model, lr=1e-3)), None) if own else (None, None)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, optimizers=opts,
+                                       callbacks=[ra.trainer_callback()])
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.train()
+        told = [w for w in said if "optimizers=(torch.optim.AdamW(cc.param_groups" in str(w.message)]
+        assert len(told) == (0 if own else 1)
+
+
 def test_a_second_trainer_over_the_same_model_trains_and_cuts_with_its_own_optimizer(tmp_path):
     """Two phases, two Trainers, one model and one RankAdaptive: the second Trainer's optimizer is attached
     when its training begins, so its re-allocation cuts the optimizer that trains (the first one's learning

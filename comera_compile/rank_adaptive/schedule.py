@@ -21,7 +21,7 @@ from ..gauge import balance_layers, canonicalize
 from ..graphs import capturing
 from ..distributed.checkpoint import state_dict_layers
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
-from ..optim import prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
+from ..optim import learning_rates, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
 from ..optim_state import replace, rescale_all, restart
 from ..regional import drop_stale_graphs
 from . import cuts
@@ -86,11 +86,6 @@ def _balance_all(ra: "RankAdaptive", carry: bool) -> None:
     if carry:
         rescale_all(ra.optimizer, [g for layer in ra.layers.values() for g in gates_of(layer) if id(g) in scales],
                     scales)
-
-
-def _learning_rates(optimizer: torch.optim.Optimizer | None) -> dict[int, float]:
-    groups = optimizer.param_groups if optimizer is not None else []
-    return {id(p): float(g["lr"]) for g in groups for p in g["params"]}
 
 
 @dataclass
@@ -283,7 +278,7 @@ class RankAdaptive(Reports):
         gates = [view.local(g) for g in params]   # the update is elementwise: this process's part
         steps = None
         if shrinking:
-            lrs = _learning_rates(self.optimizer)
+            lrs = self.__dict__.pop("_step_lrs", None) or learning_rates(self.optimizer)
             steps = [self.gamma * lrs.get(id(g), self.prox_lr) for g in params]
         masks = view.masks(alloc.masks)
         flat, mask = proximal_step(gates, [m for name in self.layers for m in masks[name]], steps,
