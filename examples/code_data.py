@@ -131,9 +131,16 @@ def _read_until(files: list[Path], max_bytes: int) -> tuple[list[Path], list[str
             continue
         if not text.strip():
             continue
+        encoded = text.encode("utf-8")
+        if total + len(encoded) > max_bytes:   # the last file cut at the budget, on a line boundary
+            kept = encoded[:max_bytes - total].decode("utf-8", errors="ignore")
+            text = kept[:kept.rfind("\n") + 1]
+            if not text:   # not one whole line fits
+                break
+            encoded = text.encode("utf-8")
         used.append(p)
         texts.append(text)
-        total += len(text.encode("utf-8"))
+        total += len(encoded)
     return used, texts
 
 

@@ -127,9 +127,11 @@ def format_table(result: dict[str, Any]) -> str:
     if s["comera_reach_s"] is None:
         lines.append(f"CoMERA did not reach dense's final held-out loss ({s['dense_final_loss']:.3f}) in its budget.")
     else:
+        share = s["comera_reach_fraction"]
         lines.append(f"CoMERA reached dense's final held-out loss ({s['dense_final_loss']:.3f}) after "
-                     f"{s['comera_reach_s']:.0f} s of training: {100 * s['comera_reach_fraction']:.0f}% of dense's "
-                     f"{d['time_s']:.0f} s.")
+                     f"{_seconds(s['comera_reach_s'])} of training: "
+                     + (f"{100 * share:.0f}% of dense's" if share <= 1 else f"{share:.1f}x dense's")
+                     + f" {_seconds(d['time_s'])}.")
     budget = f"{cfg['minutes']:g} min" if cfg["minutes"] is not None else f"{cfg['steps']} steps"
     where = result['device'] if result.get('device', 'cpu') != 'cpu' else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
@@ -271,3 +273,8 @@ def finish(result: dict[str, Any], summarize: Callable[[dict[str, Any]], dict[st
     if main:
         write_outputs(result, out, format_table, plot, log)
     return result
+
+
+def _seconds(t: float) -> str:
+    """A duration in seconds, with a decimal under 10 s (a short run's 0.4 s is not "0 s")."""
+    return f"{t:.1f} s" if t < 10 else f"{t:.0f} s"

@@ -125,7 +125,9 @@ class PretrainConfig:
         """Warm-up steps: the option, or a tenth of a step budget."""
         if self.warmup_steps is not None:
             return self.warmup_steps
-        return max(1, round(0.1 * self.steps)) if self.minutes is None and self.steps else 20
+        if self.minutes is None and self.steps:   # a step budget: at least one step left for the decay
+            return min(max(1, round(0.1 * self.steps)), self.steps - 1)
+        return 20
 
     def check(self, processes: int = 1) -> None:
         """Raise DemoError for settings that cannot run, saying which option to change."""

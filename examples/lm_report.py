@@ -186,7 +186,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the same "
         f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, "
         f"{cfg['warmup_steps']} warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient "
-        f"clipping {cfg['clip']}; seed {cfg['seed']}; {where}.",
+        f"clipping {'off' if cfg['clip'] is None else cfg['clip']}; seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
         f"W{wall_words(result, LABELS)[1:]}.",

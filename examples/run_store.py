@@ -74,9 +74,11 @@ class RunStore:
             if saved:
                 log(f"note: {self.out / 'runs'} holds finished runs of {', '.join(saved)}; this run replaces them "
                     f"(--resume would keep them)")
-                if main:   # gone now: a --resume after a stop keeps only this run's
-                    for n in saved:
+                if main:   # gone now: a --resume after a stop keeps only this run's; the report of those runs
+                    for n in saved:   # goes with them, the folder never showing runs it no longer holds
                         run_path(self.out, n).unlink()
+                    for report in ("table.md", "results.json", "curves.png"):
+                        (self.out / report).unlink(missing_ok=True)
 
     def _load(self, name: str) -> dict[str, Any] | None:
         path = run_path(self.out, name)

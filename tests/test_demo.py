@@ -54,6 +54,18 @@ def test_split_is_by_file_disjoint_and_seeded(tmp_path):
     assert a.train_texts[0] == a.train_files[0].read_text()
 
 
+def test_max_bytes_caps_the_text_read_even_within_one_file(tmp_path):
+    """--max-bytes is a cap: the file that crosses it is cut at the budget, on a line boundary (whole files
+    were read: 4.5 MB for --max-bytes 1000); what is kept is the files' own text, in order."""
+    _write_corpus(tmp_path, files=6, lines=400)
+    corpus = code_data.load_corpus(tmp_path, seed=1, heldout_fraction=0.2, max_bytes=3000)
+    sizes = [len(t.encode("utf-8")) for t in corpus.train_texts]
+    assert sum(sizes) <= 3000 and sum(sizes) > 2000
+    assert corpus.train_texts[-1].endswith("\n")
+    assert corpus.train_files[-1].read_text().startswith(corpus.train_texts[-1])
+    assert sum(len(t.encode("utf-8")) for t in corpus.heldout_texts) <= 1000
+
+
 def test_corpus_skips_binary_hidden_and_package_folders(tmp_path):
     _write_corpus(tmp_path, files=3, lines=5)
     (tmp_path / "blob.bin").write_bytes(b"\x00\x01\x02binary")
@@ -206,6 +218,32 @@ def test_cli_reports_errors_without_a_traceback(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         main(["demo", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "out"), "--no-progress"])
     assert "comera-compile demo:" in str(err.value) and "does not exist" in str(err.value)
+
+
+def test_inspect_and_bench_errors_are_one_line_and_a_model_of_the_folder_imports(tmp_path):
+    """The installed script imports MODULE:FACTORY from the folder it runs in (as python -m does); inputs that
+    do not fit the model, and bench --profile with the suite's --json, are one-line errors."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mymodels.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "class M(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.emb, self.fc = nn.Embedding(100, 64), nn.Linear(64, 64)\n\n"
+        "    def forward(self, ids):\n        return self.fc(self.emb(ids))\n\n\n"
+        "def build():\n    return M()\n")
+    script = Path(sys.executable).parent / "comera-compile"
+    runs = {"ok": [str(script), "inspect", "mymodels:build", "--rank", "4"],
+            "float ids": [str(script), "inspect", "mymodels:build", "--rank", "4", "--graph", "dynamo", "--input",
+                          "2x16:float"],
+            "profile json": [sys.executable, "-m", "comera_compile", "bench", "--profile", "1", "--json", "x.json"]}
+    for name, cmd in runs.items():
+        run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert "Traceback" not in run.stderr, (name, run.stderr[-2000:])
+        if name == "ok":
+            assert run.returncode == 0 and "TTLinear" in run.stdout + run.stderr, run.stderr[-2000:]
+        else:
+            assert run.returncode != 0 and len(run.stderr.strip().splitlines()) == 1, (name, run.stderr)
 
 
 def test_too_little_text_for_one_batch(tmp_path):

@@ -581,3 +581,22 @@ def test_resume_keeps_runs_of_the_same_command_and_data_however_its_path_is_writ
     del saved["fingerprint"]["command"]   # as an earlier release wrote it
     run_path(out, "dense").write_text(json.dumps(saved))
     assert store("text", command="demo").kept == ["dense"]
+
+
+def test_a_one_step_budget_warms_up_for_none_and_a_rerun_drops_the_old_report(tmp_path):
+    """--steps 1 alone leaves its one step to the decay (the automatic tenth made it 1 warm-up step, then an
+    error about --warmup-steps, which was not given); a run over a folder of finished runs, without --resume,
+    removes their table, JSON and plot with them (they described runs no longer there)."""
+    from comera_compile.examples.run_store import RunStore, run_path
+
+    assert lp.preset("tiny", steps=1, minutes=None, warmup_steps=None).warmup() == 0
+    assert lp.preset("tiny", steps=30, minutes=None, warmup_steps=None).warmup() == 3
+    (tmp_path / "runs").mkdir()
+    run_path(tmp_path, "dense").write_text("{}")
+    for report in ("table.md", "results.json", "curves.png"):
+        (tmp_path / report).write_text("old")
+    RunStore(tmp_path, ["dense"], {}, command="pretrain", resume=False, main=True, log=lambda _: None)
+    assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
+    (tmp_path / "results.json").write_text("the user's own")   # no finished run of ours beside it: kept
+    RunStore(tmp_path, ["dense"], {}, command="pretrain", resume=False, main=True, log=lambda _: None)
+    assert (tmp_path / "results.json").read_text() == "the user's own"

@@ -27,6 +27,9 @@ def run(args: argparse.Namespace) -> int:
         if not os.access(target.parent, os.W_OK):
             raise SystemExit(f"comera-compile bench: --json {args.json!r}: its folder is not writable")
     if args.profile is not None:
+        if args.json is not None or args.only:
+            raise SystemExit("comera-compile bench: --profile prints the per-layer profile tables only; --json and "
+                             "--only are for the suite: run them without --profile")
         from comera_compile.benchmarks.device_step import resolve_device
         from comera_compile.benchmarks.profiling import six_encoder_profile
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 import time
 
 import torch
@@ -17,6 +19,8 @@ def _load_factory(spec: str) -> nn.Module:
     if ":" not in spec:
         raise SystemExit(f"comera-compile: expected MODULE:FACTORY (e.g. mypkg.models:build), got {spec!r}")
     mod_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:   # the installed script: the folder it runs in, as -m
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(mod_name)
     except ImportError as e:
@@ -87,7 +91,12 @@ def _show_fx(model: nn.Module) -> bool:
 def _show_dynamo(model: nn.Module, call: tuple[tuple, dict]) -> None:
     import comera_compile as cc
 
-    reports = cc.rewritten_graphs(model, *call[0], **call[1])
+    try:
+        reports = cc.rewritten_graphs(model, *call[0], **call[1])
+    except Exception as e:   # the inputs do not fit the model: say so in a line
+        raise SystemExit(f"comera-compile inspect: running {type(model).__name__} on the --input tensors raised "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''} (give one --input per "
+                         f"forward argument, in its dtype: SHAPE[:DTYPE], e.g. 2x16:long)") from e
     for k, report in enumerate(reports, 1):
         print(f"# graph {k} of {len(reports)} that torch.compile(backend='comera') captures of "
               f"{type(model).__name__}, after comera's passes (dynamo)")

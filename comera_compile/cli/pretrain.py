@@ -26,7 +26,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         given["clip"] = None
     if args.resume:
         given["resume"] = True
-    return train("pretrain", lm_pretrain, args, argv, given)
+    return train("pretrain", lm_pretrain, args, argv, given, threads=args.threads)   # also inside torchrun
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
