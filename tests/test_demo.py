@@ -236,7 +236,9 @@ def test_inspect_and_bench_errors_are_one_line_and_a_model_of_the_folder_imports
     runs = {"ok": [str(script), "inspect", "mymodels:build", "--rank", "4"],
             "float ids": [str(script), "inspect", "mymodels:build", "--rank", "4", "--graph", "dynamo", "--input",
                           "2x16:float"],
-            "profile json": [sys.executable, "-m", "comera_compile", "bench", "--profile", "1", "--json", "x.json"]}
+            "profile json": [sys.executable, "-m", "comera_compile", "bench", "--profile", "1", "--json", "x.json"],
+            "bad input": [sys.executable, "-m", "comera_compile", "inspect", "--example", "six-encoder", "--layers",
+                          "1", "--input", "abc"]}
     for name, cmd in runs.items():
         run = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert "Traceback" not in run.stderr, (name, run.stderr[-2000:])

@@ -108,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     import comera_compile as cc
 
     t0 = time.perf_counter()
+    for spec in args.input or ():   # checked before anything is built
+        _parse_input(spec)
+    if args.input and args.graph == "fx":
+        raise SystemExit("comera-compile inspect: --input is what the dynamo graph runs the model on; with "
+                         "--graph fx it would go unused: drop it, or use --graph dynamo (or auto)")
     kwargs = {}
     if args.example == "six-encoder":
         from comera_compile.examples import six_encoder
@@ -125,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"comera-compile inspect: {e}") from e
     # auto: the torch.fx module graph where torch.fx traces the model (compact: TT layers as named calls),
     # else the graph torch.compile captures, contractions expanded, for which the model needs inputs.
-    shown = args.graph != "dynamo" and _show_fx(tt)
+    shown = args.graph == "fx" or args.graph == "auto" and not args.input   # inputs given: for the dynamo graph
+    shown = shown and _show_fx(tt)
     if not shown and args.graph != "fx":
         call = _example_call(tt, args)
         if call is None:
@@ -161,8 +167,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graph", choices=("auto", "fx", "dynamo"), default="auto",
                    help="which graph to print: fx, the module graph torch.fx traces (TT layers as calls); dynamo, "
                         "each graph torch.compile(backend='comera') captures, after comera's passes, with every TT "
-                        "layer's contraction steps and FLOPs (runs the model once); auto (default): fx where "
-                        "torch.fx can trace the model, else dynamo")
+                        "layer's contraction steps and FLOPs (runs the model once); auto (default): dynamo where "
+                        "--input is given, else fx where torch.fx can trace the model, else dynamo")
     p.add_argument("--input", action="append", metavar="SHAPE[:DTYPE]", default=None,
                    help="an example forward argument for --graph dynamo, e.g. 2x128:long (once per argument; "
                         "default: the example's inputs, or a transformers model's dummy_inputs)")
