@@ -528,6 +528,16 @@ def test_compile_step_on_a_ddp_wrapper_says_to_rebuild_it_after_a_reallocation(t
     assert all(torch.equal(p, q) for p, q in zip(a[True]["params"], b[True]["params"]))
 
 
+def _train_on_noise(model: nn.Module, opt: torch.optim.Optimizer, ra, steps: int) -> None:
+    """`steps` steps of the plain loop with RankAdaptive on random inputs and labels (each process its own)."""
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 5, (8,)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ra.step(loss)
+
+
 def _own_models_worker(rank: int, world: int, port: int, out: str) -> None:
     """Each process trains a model of its own (another seed, no DDP), RankAdaptive checking every 2 steps:
     with the default group the first check finds 'replicas' that differ; with a group of one per process
@@ -544,12 +554,7 @@ def _own_models_worker(rank: int, world: int, port: int, out: str) -> None:
             opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
             ra = cc.RankAdaptive(model, optimizer=opt, cut_every=2, process_group=own if group == "own" else None)
             try:
-                for _ in range(4):
-                    loss = nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 5, (8,)))
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    ra.step(loss)
+                _train_on_noise(model, opt, ra, 4)
                 result[group] = [p.detach().clone() for p in model.parameters()]
             except RuntimeError as e:
                 result[group] = str(e)
@@ -664,12 +669,7 @@ def _groups_of_one_worker(rank: int, world: int, port: int, out: str) -> None:
                 p.add_(0.1 * torch.randn_like(p))
         opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
         ra = cc.RankAdaptive(model, optimizer=opt, cut_every=2, process_group=own)
-        for _ in range(2):
-            loss = nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 5, (8,)))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ra.step(loss)
+        _train_on_noise(model, opt, ra, 2)
         cc.save_checkpoint(f"{out}-ckpt{rank}", model, opt, ra)
         fresh = _model()
         fresh_opt = torch.optim.AdamW(cc.param_groups(fresh, lr=1e-2))
@@ -688,7 +688,6 @@ def test_a_group_of_one_counts_its_own_tokens_and_checkpoints_its_own_model(tmp_
     for rank, result in enumerate(_two_processes(_groups_of_one_worker, str(tmp_path / "own"))):
         assert result["processes"] == 1 and result["tokens"] == 3 + 4 * rank
         assert result["loaded"]
-
 
 
 def _stale_after_load_worker(rank: int, world: int, port: int, out: str, ckpt: str) -> None:
