@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["replace", "rescale", "rescale_all", "restart", "index_select", "retire", "SECOND_MOMENTS", "SCALE_POWERS"]
+__all__ = ["replace", "rescale", "rescale_all", "restart", "index_select", "retire", "SECOND_MOMENTS",
+           "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
 Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]

@@ -23,7 +23,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     """Save a training checkpoint with ``torch.distributed.checkpoint`` (one file per process; any number
     of processes, or one without a process group): the model and optimizer state as torch's
     ``get_state_dict`` gives them (FSDP2 shards saved as shards), and ``RankAdaptive``'s state.  Call it on
-    every process (of ``ra.process_group`` where it has one: a group of one saves its process's own model).  ``load_checkpoint`` restores it at any world size, cut ranks included."""
+    every process (of ``ra.process_group`` where it has one: a group of one saves its process's own model).
+    ``load_checkpoint`` restores it at any world size, cut ranks included."""
     import io
 
     import torch.distributed.checkpoint as dcp

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import distributed as _dist
+from ..distributed.checkpoint import state_dict_layers
 from ..gauge import balance_layers, canonicalize
 from ..graphs import capturing
-from ..distributed.checkpoint import state_dict_layers
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import learning_rates, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
 from ..optim_state import replace, rescale_all, restart
