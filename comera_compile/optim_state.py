@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["replace", "rescale", "rescale_all", "restart", "index_select", "retire", "SECOND_MOMENTS",
-           "SCALE_POWERS"]
+__all__ = ["replace", "replace_pruned", "rescale", "rescale_all", "restart", "index_select", "retire",
+           "SECOND_MOMENTS", "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
 Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]
@@ -97,6 +97,19 @@ def rescale_all(optimizer: torch.optim.Optimizer | None, params: list[torch.Tens
             [f.reshape(-1) for _, f in items]) ** powers.get(key, -1)
         torch._foreach_copy_(values, [part.view_as(v) for part, v in
                                       zip(scaled.to(dtype).split([v.numel() for v in values]), values)])
+
+
+def replace_pruned(optimizer: torch.optim.Optimizer | None,
+                   pruned: Iterable[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """Put a layer's cut Parameters (``prune_ranks``'s (old, new, dim, index), a core cut on both bonds coming
+    twice) in place of the old ones, the optimizer's state cut alike (index_select); returns the old ones."""
+    pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    steps: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for old, new, dim, idx in pruned:
+        pairs.setdefault(id(old), (old, new))
+        steps.setdefault(id(old), []).append((dim, idx))
+    replace(optimizer, pairs.values(), index_select(steps))
+    return [old for old, _ in pairs.values()]
 
 
 def restart(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..layers import tt_layers
-from ..optim_state import index_select, replace, retire
+from ..optim_state import replace_pruned, retire
 from .fsdp import unsharded
 from .replicas import replica_mean
 
@@ -109,13 +109,7 @@ def resize_ranks(model: nn.Module, ranks: dict[str, tuple[int, ...]],
             keep = [None if n == layer.gates[k].numel() else torch.arange(n) for k, n in enumerate(r[1:-1])]
             if all(k is None for k in keep):
                 continue
-            pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            steps: dict[int, list[tuple[int, torch.Tensor]]] = {}
-            for old, new, dim, idx in layer.prune_ranks(keep):   # a core cut on both bonds comes twice
-                pairs.setdefault(id(old), (old, new))
-                steps.setdefault(id(old), []).append((dim, idx))
-            replace(optimizer, pairs.values(), index_select(steps))   # state the optimizer has, cut alike
-            retired += [old for old, _ in pairs.values()]
+            retired += replace_pruned(optimizer, layer.prune_ranks(keep))   # state the optimizer has, cut alike
     retire(retired)   # another optimizer still holding one raises at its step instead of training it
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..optim_state import index_select, replace, retire
+from ..optim_state import replace_pruned, retire
 from .allocation import Allocation
 
 __all__ = ["cut"]
@@ -30,13 +30,7 @@ def cut(allocation: Allocation, optimizer: torch.optim.Optimizer | None, share: 
             if extra > 0:  # switched-off slices kept (zero gates, masked) so equal shapes stay equal
                 idx = torch.cat([idx, torch.nonzero(~m).flatten()[:extra]]).sort().values
             keep.append(None if idx.numel() == g.numel() else idx)
-        pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        steps: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for old, new, dim, idx in layer.prune_ranks(keep):  # a core cut on both its bonds comes twice
-            pairs.setdefault(id(old), (old, new))
-            steps.setdefault(id(old), []).append((dim, idx))
-        replace(optimizer, pairs.values(), index_select(steps))
-        retired += [old for old, _ in pairs.values()]
+        retired += replace_pruned(optimizer, layer.prune_ranks(keep))
         allocation.keep(name, keep)
     retire(retired)
     allocation.update()
