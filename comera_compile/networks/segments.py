@@ -65,11 +65,15 @@ def _segments(spec: TTSpec, training: bool, input_requires_grad: bool) -> tuple[
             refine(lo, hi)
     starts = sorted(set(starts))
     # Dynamo guards the comparisons; a segment one or two row counts wide would pin a dynamic size to a
-    # constant, so narrow segments (and all below MIN_SEGMENT_START) join the segment before them.
+    # constant, so no threshold lies below MIN_SEGMENT_START (a segment starting lower starts there) and a
+    # segment narrower than MIN_SEGMENT_WIDTH from there joins the segment before it.
     kept = [starts[0]]
     for k, start in enumerate(starts[1:], start=1):
         end = starts[k + 1] if k + 1 < len(starts) else MAX_SEGMENT_ROWS
-        if start >= MIN_SEGMENT_START and end - start >= MIN_SEGMENT_WIDTH:
+        start = max(start, MIN_SEGMENT_START)
+        if end - start >= MIN_SEGMENT_WIDTH and start > kept[-1]:
             kept.append(start)
-    programs = tuple(plan_tt_linear(spec, r, training, input_requires_grad).program for r in kept)
+    # the first segment runs the plan of its last row count: its rows below 8 cost little whichever plan runs
+    at = [kept[1] - 1 if len(kept) > 1 else MIN_SEGMENT_START, *kept[1:]]
+    programs = tuple(plan_tt_linear(spec, r, training, input_requires_grad).program for r in at)
     return tuple(kept[1:]), programs
