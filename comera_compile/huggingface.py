@@ -23,7 +23,7 @@ import inspect
 import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -93,11 +93,11 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
         json.dump(index, f, indent=1)
 
 
-def attach(model: nn.Module, summary: "TensorizeSummary") -> None:
+def attach(model: nn.Module, summary: "TensorizeSummary", clear: Iterable[str] = ()) -> None:
     """Put comera's save_pretrained, resize_token_embeddings and (after tied='untie') tie_weights on a
     tensorized transformers model (one with a config and these methods), and mark the untied layers untied in
-    its config where that can say so (_untie_config); nothing on a GraphModule (summary.traced) or another
-    model."""
+    its config where that can say so (_untie_config; `clear`: ``untie_plan`` of the dense model); nothing on
+    a GraphModule (summary.traced) or another model."""
     if summary.traced:
         return
     if hasattr(model, "config") and callable(getattr(model, "save_pretrained", None)):
@@ -109,7 +109,7 @@ def attach(model: nn.Module, summary: "TensorizeSummary") -> None:
         model.resize_token_embeddings = functools.partial(resize_token_embeddings, model)
     if summary.untied and callable(getattr(model, "tie_weights", None)):
         model.tie_weights = functools.partial(_tie_weights, model)
-        _untie_config(model, _untied_names(summary))
+        _untie_config(model, _untied_names(summary), clear)
 
 
 def detach(model: nn.Module) -> None:
@@ -142,17 +142,13 @@ def _ties_any(pairs: Mapping[str, str], names: set[str], prefix: str = "") -> bo
     return any(f"{at}{p}".rpartition(".")[0] in names for pair in pairs.items() for p in pair)
 
 
-def _untie_config(model: nn.Module, names: set[str]) -> None:
-    """Stop transformers tying the untied layers `names` again: drop them from each (sub)model's record of
-    its tied weights (``all_tied_weights_keys``, which ``tie_weights(recompute_mapping=False)`` reads), and
-    set ``tie_word_embeddings=False`` in the config of each whose tying would join them: the flag a plain
-    transformers model -- this one densified, saved and loaded -- keeps them apart by.  The flag stays where
-    a forward reads it (T5-style output scaling: clearing it would change the logits) and before
-    transformers 5 (no tied-weights mapping); _tie_weights keeps the layers apart on this model either way."""
-    for prefix, sub in model.named_modules():
-        record = getattr(sub, "all_tied_weights_keys", None)
-        if isinstance(record, dict):
-            sub.all_tied_weights_keys = {k: v for k, v in record.items() if not _ties_any({k: v}, names, prefix)}
+def untie_plan(model: nn.Module, summary: "TensorizeSummary") -> set[str]:
+    """The (sub)models, by qualified name, whose ``config.tie_word_embeddings`` tied='untie' clears: those whose
+    tying would join an untied layer, unless a forward reads the flag (T5-style output scaling: clearing it
+    would change the logits).  Read off the dense model, before any swap: transformers expands some tie maps
+    (BERT's, which ties a bias too) by looking the tied parameters up, and a TT layer has no ``weight``."""
+    names, clear = _untied_names(summary), set()
+    for prefix, sub in model.named_modules() if names else ():
         expand, config = getattr(sub, "get_expanded_tied_weights_keys", None), getattr(sub, "config", None)
         if not callable(expand) or getattr(config, "tie_word_embeddings", None) is not True:
             continue
@@ -160,7 +156,22 @@ def _untie_config(model: nn.Module, names: set[str]) -> None:
             continue
         readers = {type(m) for m in model.modules() if getattr(m, "config", None) is config}
         if not any(_reads_tie_flag(cls) for cls in readers):
-            config.tie_word_embeddings = False
+            clear.add(prefix)
+    return clear
+
+
+def _untie_config(model: nn.Module, names: set[str], clear: Iterable[str]) -> None:
+    """Stop transformers tying the untied layers `names` again: drop them from each (sub)model's record of
+    its tied weights (``all_tied_weights_keys``, which ``tie_weights(recompute_mapping=False)`` reads), and
+    set ``tie_word_embeddings=False`` in the config of each (sub)model in `clear` (``untie_plan``): the flag a
+    plain transformers model -- this one densified, saved and loaded -- keeps them apart by.  Before
+    transformers 5 (no tied-weights mapping) _tie_weights keeps the layers apart on this model alone."""
+    for prefix, sub in model.named_modules():
+        record = getattr(sub, "all_tied_weights_keys", None)
+        if isinstance(record, dict):
+            sub.all_tied_weights_keys = {k: v for k, v in record.items() if not _ties_any({k: v}, names, prefix)}
+    for prefix in clear:
+        model.get_submodule(prefix).config.tie_word_embeddings = False
 
 
 def _reads_tie_flag(cls: type) -> bool:
@@ -179,7 +190,10 @@ def _tie_weights(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     if not callable(expand):
         return None
-    pairs = {**expand(all_submodels=True), **getattr(model, "all_tied_weights_keys", {})}
+    try:
+        pairs = {**expand(all_submodels=True), **getattr(model, "all_tied_weights_keys", {})}
+    except (ValueError, KeyError, AttributeError):   # its tie map names a parameter a TT layer no longer has
+        return None
     if _ties_any(pairs, _untied_names(getattr(model, "comera_summary", None))):
         return None
     return type(model).tie_weights(model, *args, **kwargs)

@@ -231,6 +231,8 @@ def _integer(value: Any, what: str) -> int:
 
 def _resolve_ranks(rank: int | Sequence[int], max_ranks: tuple[int, ...], where: str) -> tuple[int, ...]:
     n_bonds = len(max_ranks) - 2
+    if not isinstance(rank, (bool, str, bytes, Sequence)) and hasattr(rank, "__index__"):
+        rank = _integer(rank, f"{where}: rank")   # a NumPy or 0-d tensor integer
     if isinstance(rank, (bool, str, bytes)) or not isinstance(rank, (int, Sequence)):
         raise TypeError(f"{where}: rank must be an int or a list of ints, got {rank!r}")
     if isinstance(rank, int):

@@ -40,7 +40,13 @@ def _t5(tie: bool = True):
         tie_word_embeddings=tie, eos_token_id=1, pad_token_id=0))
 
 
-FAMILIES = {"gpt2": _gpt2, "llama": _llama, "t5": _t5}
+def _bert(tie: bool = True):   # its tie map ties the decoder's bias too, which transformers expands by lookup
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=32, tie_word_embeddings=tie))
+
+
+FAMILIES = {"gpt2": _gpt2, "llama": _llama, "t5": _t5, "bert": _bert}
 IDS = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
 
 
@@ -66,7 +72,8 @@ pytestmark = pytest.mark.usefixtures("quiet_transformers")
 
 @pytest.mark.parametrize("name, tied, exclude", [
     ("gpt2", "untie", None), ("llama", "untie", None), ("llama", "untie", "model.embed_tokens"),
-    ("llama", "untie", "lm_head"), ("t5", "untie", None), ("gpt2", "keep", None), ("t5", "keep", None)])
+    ("llama", "untie", "lm_head"), ("t5", "untie", None), ("gpt2", "keep", None), ("t5", "keep", None),
+    ("bert", "untie", None), ("bert", "keep", None)])
 def test_from_pretrained_gives_the_saved_model_s_logits_in_eval_mode_and_saves_again(name, tied, exclude,
                                                                                       tmp_path):
     """Untied (both sides TT, or one kept dense) and tied models: the loaded model, as returned (eval mode, as

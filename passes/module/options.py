@@ -8,6 +8,7 @@ of layer tensorize rewrites (``layer_kind``).
 from __future__ import annotations
 
 import fnmatch
+import operator
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -141,6 +142,8 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
         shapes = {**p["shapes"], **asked}
         shaped_only = p.get("shaped_only", False)
     rank = 30 if rank is None else rank
+    if not isinstance(rank, (bool, str, bytes, Sequence)) and hasattr(rank, "__index__"):
+        rank = operator.index(rank)   # a NumPy or 0-d tensor integer
     if isinstance(rank, (bool, str, bytes)) or not isinstance(rank, (int, Sequence)):
         raise TensorizeError(f"rank must be a positive int or a list of ints, got {rank!r}")
     if isinstance(rank, int) and rank <= 0:

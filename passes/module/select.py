@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -21,6 +20,7 @@ from torch import nn
 from comera_compile.layers import TTLayer
 from comera_compile.passes.module.options import (PRESETS, LayerShape, Options, TensorizeError, as_shape,
                                                   check_options, layer_kind, matches)
+from comera_compile.passes.module.outside import held_outside, tied_outside
 from comera_compile.tt import TTSpec, make_spec
 
 __all__ = ["TensorizeError", "LayerShape", "PRESETS", "TensorizeSummary", "Options", "Rewrite", "Selection",
@@ -83,25 +83,32 @@ def _own_forward(mod: nn.Module, kind: str) -> str | None:
     (transformers' scaled word embeddings and learned position embeddings, MoE routers, LoRA adapters), or
     None.  A TT layer computes only the base class's forward from the weight and bias, so a class that
     replaces the forward and holds state of its own (parameters, buffers or submodules besides weight and
-    bias) is not the base; one that holds nothing more is run once on a small probe (no hooks, no grad) and
-    counts as the base's only where it computes the plain linear map or lookup (Falcon's
-    ``input @ weight.T + bias``); a bag's, or one whose weight is on the meta device, does not."""
+    bias) is not the base; one that holds nothing more is run on a small probe (no hooks, no grad; in train
+    and in eval mode, since a forward may read ``self.training``; a weight on the meta device stands in as a
+    random one on the CPU) and counts as the base's only where it computes the plain linear map or lookup
+    (Falcon's ``input @ weight.T + bias``) in both; a bag's does not."""
     base = _BASE.get(kind)
     if base is None or type(mod).forward is base.forward:
         return None
-    w, gen = mod.weight, torch.Generator().manual_seed(0)
-    if kind == "embedding_bag" or w.is_meta or _own_state(mod):
+    if kind == "embedding_bag" or _own_state(mod):
         return f"nn.{base.__name__}"
     probe = copy.copy(mod)   # attributes the forward sets land on the probe, not on the user's module
+    gen = torch.Generator().manual_seed(0)
+    if mod.weight.is_meta:   # its own parameters dict: the user's module keeps its meta tensors
+        probe._parameters = {n: None if t is None else nn.Parameter(
+            torch.randn(t.shape, generator=gen).to(t.dtype), t.requires_grad) for n, t in mod._parameters.items()}
+    w, bias = probe.weight, getattr(probe, "bias", None)
     try:   # a different map, output or signature raises: not the base class's forward
-        with torch.no_grad():
-            if kind == "linear":
-                x = torch.randn(2, mod.in_features, generator=gen).to(w.device, w.dtype)
-                got, want = type(mod).forward(probe, x), nn.functional.linear(x, w, mod.bias)
-            else:
-                x = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(w.device)
-                got, want = type(mod).forward(probe, x), nn.functional.embedding(x, w, mod.padding_idx)
-        torch.testing.assert_close(got, want)
+        for training in (True, False):
+            probe.training = training
+            with torch.no_grad():
+                if kind == "linear":
+                    x = torch.randn(2, mod.in_features, generator=gen).to(w.device, w.dtype)
+                    got, want = type(mod).forward(probe, x), nn.functional.linear(x, w, bias)
+                else:
+                    x = torch.randint(0, mod.num_embeddings, (2, 4), generator=gen).to(w.device)
+                    got, want = type(mod).forward(probe, x), nn.functional.embedding(x, w, mod.padding_idx)
+            torch.testing.assert_close(got, want)
         return None
     except Exception:
         return f"nn.{base.__name__}"
@@ -238,8 +245,10 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
             owners.setdefault(id(p), set()).add(id(m))
     # nn.MultiheadAttention computes with its out_proj's weight directly, never calling the module.
     inside_mha = {id(m.out_proj) for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
-    held = _held_outside(model)
+    held = held_outside(model)
+    foreign = tied_outside(model)
     outside: list[str] = []   # kept dense: held in a plain container too, which the forward may call
+    tied_away: list[str] = []   # sharing a weight or bias with a module outside the model
 
     summary = TensorizeSummary()
     rewrites: list[Rewrite] = []
@@ -262,6 +271,10 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
         key, shape = _find_shape(opts.shapes, name, dims)
         used_shapes.add(key)
         reason = _keep_dense_reason(model, name, mod, kind, shape, opts, inside_mha, owners, tied_groups)
+        if reason is None and id(mod) in foreign:
+            tied_away.append(name)
+            if opts.tied == "keep":
+                reason = "weight or bias tied with a module outside the model given"
         if reason is None and id(mod) in held:
             if opts.include is not None and name in opts.include:
                 raise TensorizeError(f"cannot tensorize {name!r}: the model also holds it at {held[id(mod)]}, "
@@ -306,6 +319,13 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                       f"submodules ({'; '.join(outside[:4])}{'; ...' if len(outside) > 4 else ''}): a forward "
                       f"calling them from there would run the dense layer, not the TT one.  Register the "
                       f"container as nn.ModuleDict or nn.ModuleList to tensorize them.")
+    if tied_away:
+        what = ("left dense so they stay tied" if opts.tied == "keep" else
+                "now UNTIED from it (tied='untie'): that module goes on with the dense tensor alone")
+        warned.append(f"tensorize: {len(tied_away)} layer(s) share a weight or bias with a module outside "
+                      f"{type(model).__name__} ({'; '.join(tied_away[:4])}{'; ...' if len(tied_away) > 4 else ''}"
+                      f"), as a language model's head shares the embedding of the body passed alone; {what}.  "
+                      f"Tensorize the whole model to keep them tied as TT layers.")
     if scripted:
         warned.append(f"tensorize: kept {len(scripted)} layer(s) dense inside TorchScript submodules "
                       f"({'; '.join(scripted[:4])}{'; ...' if len(scripted) > 4 else ''}), whose layers cannot "
@@ -331,34 +351,6 @@ def _nothing_rewritten(model: nn.Module, summary: TensorizeSummary) -> str:
     found = f"its {tt} TT layer(s) are tensorized already" if tt else (
         "it has no nn.Linear, nn.Embedding, nn.EmbeddingBag or transformers Conv1D")
     return f"tensorize: rewrote no layer of {type(model).__name__}: {found}."
-
-
-_MODULE_INTERNALS = frozenset(vars(nn.Module()))   # nn.Module's own attributes: submodules, hooks, ...
-
-
-def _held_outside(model: nn.Module) -> dict[int, str]:
-    """The modules that one of the model's modules holds outside the module tree -- in a plain list, tuple,
-    set or dict attribute, directly, or as a bound method's owner -- by id, with where (the first place).
-    tensorize replaces submodules only, so a forward calling a layer from there would run the dense one."""
-    held: dict[int, str] = {}
-
-    def visit(value: Any, where: str, depth: int) -> None:
-        if isinstance(value, nn.Module):
-            held.setdefault(id(value), where)
-        elif inspect.ismethod(value) and isinstance(value.__self__, nn.Module):
-            held.setdefault(id(value.__self__), where)
-        elif depth < 3 and isinstance(value, (list, tuple, set, frozenset)):
-            for i, item in enumerate(value):
-                visit(item, f"{where}[{i}]", depth + 1)
-        elif depth < 3 and isinstance(value, dict):
-            for key, item in value.items():
-                visit(item, f"{where}[{key!r}]", depth + 1)
-
-    for name, module in model.named_modules():
-        for attr, value in vars(module).items():
-            if attr not in _MODULE_INTERNALS:
-                visit(value, f"{name}.{attr}" if name else attr, 0)
-    return held
 
 
 def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],

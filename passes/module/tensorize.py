@@ -72,10 +72,15 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     if whole is not None:  # the model is itself a dense layer: the TT layer is the result
         whole.comera_summary = summary
         return whole
+    try:
+        clear = huggingface.untie_plan(model, selection.summary)
+    except Exception as e:   # transformers' tie map of a model it cannot expand
+        raise TensorizeError(f"tied='untie': cannot read which weights {type(model).__name__} ties "
+                             f"({type(e).__name__}: {e}); pass tied='keep'") from e
     result = swap_in(model, built, selection.names_of, inplace)
     if trace:
         result = trace_stage(result, summary)
-    huggingface.attach(result, summary)
+    huggingface.attach(result, summary, clear)
     result.comera_summary = summary
     return result
 
@@ -85,6 +90,10 @@ def _build(rewrite: Rewrite, init: str, d: int | None) -> TTLayer:
     mod, kind, r, shape = rewrite.module, rewrite.kind, rewrite.rank, rewrite.shape
     in_modes = shape.in_modes if shape else None
     out_modes = shape.out_modes if shape else None
+    if init == "svd" and mod.weight.is_meta:
+        raise TensorizeError(f"cannot tensorize {rewrite.name!r} ({type(mod).__name__}) with init='svd': its weight "
+                             f"is on the meta device (no values to factor); load the weights first, or pass "
+                             f"init='random'")
     if init == "svd" and not torch.isfinite(mod.weight).all():
         raise TensorizeError(f"cannot tensorize {rewrite.name!r} ({type(mod).__name__}) with init='svd': its weight "
                              f"holds NaN or inf, which a TT-SVD cannot factor; exclude it, or pass init='random'")
@@ -108,18 +117,36 @@ def build_layers(selection: Selection, options: Options, share_hooks: bool = Fal
     the dense module's forward and backward hooks: their own dicts (share_hooks, for inplace: the user's
     handles still remove them) or copies (a copy of the model, as deepcopy gives the other modules)."""
     built = []
+    biases: dict[int, nn.Parameter] = {}
     for rewrite in selection.rewrites:
         new = _build(rewrite, options.init, options.d)
         new.comera_name = rewrite.name   # its profiler ranges' name
+        new.comera_origin = type(rewrite.module).__name__   # densify's dense class (Conv1D or not)
         old = rewrite.module
         for p in (*new.cores, *new.gates):
             p.requires_grad_(old.weight.requires_grad)
         if getattr(new, "bias", None) is not None:
             new.bias.requires_grad_(old.bias.requires_grad)
+            _share_bias(old, new, biases, share_hooks)
         carry_hooks(old, new, share_hooks)
         new.train(old.training)
         built.append((old, new))
     return built
+
+
+def _share_bias(old: nn.Module, new: TTLayer, biases: dict[int, nn.Parameter], inplace: bool) -> None:
+    """A bias stays the one Parameter it was wherever the model shares it (BERT's decoder.bias is
+    predictions.bias): in place, the TT layer takes the old Parameter itself; in a copy, every TT layer of one
+    old bias takes one new Parameter, and swap_in's copy maps the old one to it."""
+    if not _same_bias(old, new):
+        return
+    new.bias = old.bias if inplace else biases.setdefault(id(old.bias), new.bias)
+
+
+def _same_bias(old: nn.Module, new: nn.Module) -> bool:
+    """Both layers have a bias Parameter of one dtype and shape (one can stand for the other)."""
+    a, b = getattr(old, "bias", None), getattr(new, "bias", None)
+    return isinstance(a, nn.Parameter) and isinstance(b, nn.Parameter) and a.dtype == b.dtype and a.shape == b.shape
 
 
 def carry_hooks(old: nn.Module, new: nn.Module, share: bool) -> None:
@@ -155,8 +182,11 @@ def swap_in(model: nn.Module, built: list[tuple[nn.Module, TTLayer]], names_of: 
         work = model
     else:
         # Share (don't copy) the layers about to be replaced: the copy drops them anyway.
+        memo: dict[int, Any] = {id(old): old for old, _ in built}
+        # a bias another module shares: its copies there are the TT layer's (_share_bias)
+        memo.update((id(old.bias), new.bias) for old, new in built if _same_bias(old, new))
         try:
-            work = copy.deepcopy(model, {id(old): old for old, _ in built})
+            work = copy.deepcopy(model, memo)
         except Exception as e:   # an attribute deepcopy cannot copy (a lock, a file, an open connection)
             raise TensorizeError(f"cannot copy the model to rewrite the copy ({type(e).__name__}: {e}); pass "
                                  f"inplace=True to rewrite the model itself") from e
@@ -200,13 +230,20 @@ def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     if isinstance(model, TTLayer):
         return _dense_layer(model, getattr(model, "comera_summary", None), "")
     layers = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, TTLayer)]
-    work = model if inplace else copy.deepcopy(model, {id(m): m for _, m in layers})
-    summary = getattr(work, "comera_summary", None)
+    summary = getattr(model, "comera_summary", None)
     built: dict[int, nn.Module] = {}
+    biases: dict[int, nn.Parameter] = {}
     for name, layer in layers:
         if id(layer) not in built:  # a layer registered under two names stays one layer
             built[id(layer)] = _dense_layer(layer, summary, name)
             carry_hooks(layer, built[id(layer)], share=inplace)
+            if getattr(layer, "bias", None) is not None:
+                _share_bias(layer, built[id(layer)], biases, inplace)
+    memo: dict[int, Any] = {id(m): m for _, m in layers}
+    memo.update((id(m.bias), built[id(m)].bias) for _, m in layers if _same_bias(m, built[id(m)]))
+    work = model if inplace else copy.deepcopy(model, memo)
+    summary = getattr(work, "comera_summary", None)
+    for name, layer in layers:
         _set_submodule(work, name, built[id(layer)])
     if summary is not None:
         for name, _ in layers:
@@ -221,7 +258,8 @@ def _dense_layer(layer: TTLayer, summary: TensorizeSummary | None, name: str) ->
     """The dense layer for `layer`: transformers' Conv1D (weight (in, out)) where the summary says it
     replaced one, so that the model's own checkpoints fit it; else ``layer.to_dense_module()``."""
     dense = layer.to_dense_module()
-    if summary is None or not summary.rewritten.get(name, "").endswith("(from Conv1D)"):
+    origin = getattr(layer, "comera_origin", None)   # set by tensorize; a summary may sit on an outer model
+    if origin != "Conv1D" and (summary is None or not summary.rewritten.get(name, "").endswith("(from Conv1D)")):
         return dense
     from transformers.pytorch_utils import Conv1D
 
