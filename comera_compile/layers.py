@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_region, networks
+from .ops.buffers import exporting
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
 __all__ = ["TTLayer", "TTLinear", "DEFAULT_TAU", "EXPORT_ROWS", "check_init", "checked_dtype", "exporting",
@@ -43,16 +44,6 @@ def layer_of(tensor: torch.Tensor) -> "TTLayer | None":
 
 # The row count whose plan serves row counts unknown at trace time (exported programs, symbolic batches).
 EXPORT_ROWS = 4096
-
-
-def exporting() -> bool:
-    """Whether torch.export is tracing: ``torch.compiler.is_exporting()``, read so that every release's dynamo
-    sees the truth.  Dynamo of torch 2.11 and 2.12 folds that call to True under any torch.compile; where
-    torch keeps the flag it returns (``torch.compiler._is_exporting_flag``, set by torch.export alone), the
-    flag is read instead, which dynamo reads as a plain module global (feature detection, not a version
-    check)."""
-    flag = getattr(torch.compiler, "_is_exporting_flag", None)
-    return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
 def profiled(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

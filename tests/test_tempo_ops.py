@@ -148,7 +148,7 @@ def test_gelu_keeps_less_and_falls_back_to_keeping_the_input():
     x = (torch.full((1000,), X0["none"]) + torch.linspace(-0.05, 0.05, 1000)).requires_grad_()
     with SavedTensors() as fallback:
         y = gelu(x)
-        assert [n for _, n in fallback.breakdown() if n] == [4000, 4000, 125]   # output, input, branch bits
+        assert [n for _, n in fallback.breakdown() if n] == [4000]   # the input alone, as torch keeps
     del y
     g = torch.randn(1000)
     close(grads_of(gelu, [x], g)[1], grads_of(F.gelu, [x], g)[1], torch.float32)

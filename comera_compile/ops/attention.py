@@ -1,14 +1,18 @@
 """softmax -> dropout -> matmul (attention) keeping the softmax output once and the mask as bits; the
-softmax backward is computed from its output."""
+softmax backward is computed from its output, as torch's is.  Any floating dtype the matmul takes (float32,
+float64, bfloat16, float16; scores and v of one dtype); under autocast torch's ops run (with a warning,
+once), since autocast casts the matmul's operands and keeps those copies."""
 
 from __future__ import annotations
 
 
 import torch
+import torch.nn.functional as F
 
 from comera_compile.ops.bit_dropout import check_p, dropout, dropout_into
 from comera_compile.ops.bits import unpack
-from comera_compile.ops.buffers import FLOATS, Scratch, first_order
+from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, dtype_fallback, exporting, first_order,
+                                         plain_ops)
 
 __all__ = ["softmax_dropout_matmul"]
 
@@ -56,8 +60,17 @@ def softmax_dropout_matmul(scores: torch.Tensor, v: torch.Tensor, p: float = 0.1
     """dropout(softmax(scores, dim), p) @ v, keeping the softmax output once and the mask as bits."""
     p = check_p(p)
     last = dim in (-1, scores.dim() - 1)
-    fusable = (training and 0.0 < p < 1.0 and last and scores.dtype in FLOATS and v.dtype == scores.dtype
-               and v.dim() >= 2 and scores.dim() >= 2 and not torch.is_autocast_enabled(scores.device.type))
-    if not fusable or not (torch.is_grad_enabled() and (scores.requires_grad or v.requires_grad)):
-        return torch.matmul(dropout(torch.softmax(scores, dim=dim), p, training, generator=generator), v)
+    wanted = training and 0.0 < p < 1.0 and last and v.dim() >= 2 and scores.dim() >= 2 \
+        and not plain_ops(scores, v)
+    autocast = torch.is_autocast_enabled(scores.device.type)
+    if wanted and (autocast or scores.dtype not in FLOATS + HALF_FLOATS or v.dtype != scores.dtype):
+        dtype = torch.get_autocast_dtype(scores.device.type) if autocast else scores.dtype
+        if scores.is_floating_point():
+            dtype_fallback("attention", dtype, "under autocast" if autocast else
+                           "it takes scores and v of one floating dtype")
+        wanted = False
+    if not wanted:
+        probs = torch.softmax(scores, dim=dim)
+        dropped = F.dropout(probs, p, training) if exporting() else dropout(probs, p, training, generator=generator)
+        return torch.matmul(dropped, v)
     return _SoftmaxDropoutMatmul.apply(scores, v, p, generator)

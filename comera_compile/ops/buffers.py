@@ -10,19 +10,56 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["FLOATS", "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
+__all__ = ["FLOATS", "HALF_FLOATS", "TempoDtypeWarning", "dtype_fallback", "exporting", "plain_ops",
+           "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
            "new_buffer_backward", "boxed_variant", "first_order"]
 
 
 FLOATS = (torch.float32, torch.float64)
+HALF_FLOATS = (torch.bfloat16, torch.float16)
 # Elements per slice of the elementwise loops (multiples of 8: whole bytes of bits).  Backward passes, which
 # run at the step's memory peak, take smaller slices (less scratch); forward passes larger (fewer ops).
 _CHUNK = 1 << 17
 _CHUNK_FORWARD = 1 << 19
+
+
+class TempoDtypeWarning(UserWarning):
+    """A Tempo op ran torch's own op, which keeps what it always keeps, because of its input's dtype."""
+
+
+_WARNED: set[tuple[str, torch.dtype]] = set()
+
+
+def dtype_fallback(op: str, dtype: torch.dtype, why: str = "it takes float32 and float64") -> None:
+    """Warn, once per (op, dtype) and process, that a Tempo op falls back to torch's op at this dtype: the
+    pass's summary counts the site as replaced, but it saves nothing there (bf16 autocast or bf16 weights)."""
+    if (op, dtype) in _WARNED or torch.compiler.is_compiling():
+        return
+    _WARNED.add((op, dtype))
+    warnings.warn(f"Tempo {op} got {str(dtype).replace('torch.', '')} input and runs torch's own op, which saves "
+                  f"for backward what it always saves ({why})", TempoDtypeWarning, stacklevel=3)
+
+
+def exporting() -> bool:
+    """Whether torch.export is tracing: ``torch.compiler.is_exporting()``, read so that every release's dynamo
+    sees the truth.  Dynamo of torch 2.11 and 2.12 folds that call to True under any torch.compile; where
+    torch keeps the flag it returns (``torch.compiler._is_exporting_flag``, set by torch.export alone), the
+    flag is read instead, which dynamo reads as a plain module global (feature detection, not a version
+    check)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
+def plain_ops(*tensors: torch.Tensor | None) -> bool:
+    """Whether a Tempo op should run torch's own ops: nothing needs a gradient (no_grad, or no input requires
+    one), or torch.export is tracing (an exported program has no use for the saved-tensor tricks, and their
+    data-dependent shapes cannot be exported)."""
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or exporting()
 
 
 def chunks(n: int, size: int = _CHUNK) -> Iterator[tuple[int, int]]:

@@ -9,8 +9,11 @@ guess and three Newton steps (float64: machine precision).
 Where that is ill-conditioned -- within 0.1 (float64: 0.02) of x0, and below -3 where GELU flattens out --
 the input itself is kept for those few elements (about 6% of N(0, 1) inputs; index and value).  GELU
 followed by dropout is fused: it keeps the dropout output (what the next layer keeps anyway), the dropout
-mask as bits and the branch bits.  float32 and float64 take these paths; other dtypes, no-grad and eval
-run the original ops.
+mask as bits and the branch bits.  float32 and float64 take these paths; bfloat16 and float16 GELU then
+dropout keeps the input, as GELU does, and the mask as bits (inverting GELU from a 16-bit output would not
+give torch's gradient to 16-bit precision); GELU alone at other dtypes runs torch's op (with a warning,
+once).  No-grad, eval (training=False, or a module in eval) and torch.export run the original ops, and no
+table is built until a Tempo backward needs one.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import torch.nn.functional as F
 
 from comera_compile.ops.bit_dropout import check_p, dropout_backward_into, dropout_into
 from comera_compile.ops.bits import bit_slice, pack_into
-from comera_compile.ops.buffers import (FLOATS, Scratch, boxed_variant, chunks, forward_chunk, may_box,
-                                         new_buffer_backward)
+from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, boxed_variant, chunks, dtype_fallback,
+                                         exporting, forward_chunk, may_box, new_buffer_backward,
+                                         plain_ops)
 
 __all__ = ["gelu", "gelu_dropout"]
 
@@ -192,9 +196,15 @@ class _GeluInverse:
 _INVERSES: dict[str, _GeluInverse] = {}
 
 
-def _inverse(approximate: str) -> _GeluInverse:
+def _check_form(approximate: str) -> None:
+    """Raise unless approximate is one of GELU's forms (without building any table: this runs under tracing)."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _inverse(approximate: str) -> _GeluInverse:
+    """The tables for a GELU form, built on first use (float64 work: only inside a Tempo forward)."""
+    _check_form(approximate)
     if approximate not in _INVERSES:
         _INVERSES[approximate] = _GeluInverse(approximate)
     return _INVERSES[approximate]
@@ -237,22 +247,24 @@ class _Gelu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, approximate: str, p: float, generator: torch.Generator | None):
-        inv = _inverse(approximate)
         x = x.contiguous()
         scratch = Scratch(x.device)
         y = F.gelu(x, approximate=approximate)
         keep_bits = dropout_into(y, y, p, generator, scratch) if p > 0.0 else None
-        branch, idx = _gelu_side_info(x, inv, keep_bits, scratch)
         ctx.approximate, ctx.p = approximate, p
-        # Few exceptions (the usual case): keep their index and value.  Many: keep x itself, as GELU does.
-        ctx.dense = idx.numel() * (idx.element_size() + x.element_size()) >= x.numel() * x.element_size()
-        if ctx.dense:
-            kept, idx = x, idx.new_zeros(0)
+        if x.dtype in FLOATS:
+            branch, idx = _gelu_side_info(x, _inverse(approximate), keep_bits, scratch)
+            # Few exceptions (the usual case): keep their index and value.  Many: keep x itself, as GELU does.
+            ctx.dense = idx.numel() * (idx.element_size() + x.element_size()) >= x.numel() * x.element_size()
+        else:   # 16-bit floats: keep x (GELU then dropout: the mask is what is saved)
+            branch, idx, ctx.dense = x.new_zeros(0, dtype=torch.uint8), x.new_zeros(0, dtype=torch.int32), True
+        if ctx.dense:   # the output is not needed: backward works from x
+            kept, idx, branch, y_kept = x, idx.new_zeros(0), branch.new_zeros(0), y.new_zeros(0)
         else:
-            kept = x.view(-1)[idx]
+            kept, y_kept = x.view(-1)[idx], y
         if keep_bits is None:
             keep_bits = x.new_zeros(0, dtype=torch.uint8)
-        ctx.save_for_backward(y, branch, idx, kept, keep_bits)
+        ctx.save_for_backward(y_kept, branch, idx, kept, keep_bits)
         return y
 
     @staticmethod
@@ -291,21 +303,32 @@ _GeluBoxed = boxed_variant(_Gelu, _Gelu._backward)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    """F.gelu that keeps its output (plus a bit per element) for backward instead of its input."""
-    _inverse(approximate)
-    if x.dtype not in FLOATS or not (torch.is_grad_enabled() and x.requires_grad):
+    """F.gelu that keeps its output (plus a bit per element) for backward instead of its input; torch's op
+    where no gradient is needed, under torch.export, and for dtypes other than float32 / float64 (warned)."""
+    _check_form(approximate)
+    if plain_ops(x):
+        return F.gelu(x, approximate=approximate)
+    if x.dtype not in FLOATS:
+        if x.is_floating_point():
+            dtype_fallback("gelu", x.dtype, "it takes float32 and float64; at 16 bits only GELU followed by "
+                           "dropout saves, its mask")
         return F.gelu(x, approximate=approximate)
     return (_GeluBoxed if may_box() else _Gelu).apply(x, approximate, 0.0, None)
 
 
 def gelu_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, approximate: str = "none", *,
                  generator: torch.Generator | None = None) -> torch.Tensor:
-    """dropout(gelu(x)): keeps the output, the mask as bits and the GELU branch bits for backward."""
+    """dropout(gelu(x)): keeps the output, the mask as bits and the GELU branch bits for backward (16-bit
+    floats: the input and the mask as bits).  training=False runs torch's GELU, as eval mode does."""
     p = check_p(p)
-    _inverse(approximate)
-    if not training or p == 0.0:
+    _check_form(approximate)
+    if not training:
+        return F.gelu(x, approximate=approximate)
+    if p == 0.0:
         return gelu(x, approximate)
-    if p == 1.0 or x.dtype not in FLOATS:
+    if p == 1.0 or exporting() or x.dtype not in FLOATS + HALF_FLOATS:
+        if x.is_floating_point() and x.dtype not in FLOATS + HALF_FLOATS and not plain_ops(x):
+            dtype_fallback("gelu+dropout", x.dtype, "it takes float32, float64, bfloat16 and float16")
         return F.dropout(F.gelu(x, approximate=approximate), p, training)
     if not (torch.is_grad_enabled() and x.requires_grad):
         y = F.gelu(x.contiguous(), approximate=approximate)

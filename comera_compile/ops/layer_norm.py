@@ -2,7 +2,8 @@
 
 Backward rebuilds the normalised input from the output, (y - bias) / weight.  Features whose weight is 0 or
 small next to the bias (|bias| > 8 |weight|, where that division would lose digits) keep their normalised
-input column instead.
+input column instead.  float32 and float64 only: other dtypes, and inputs whose dtypes differ (autocast hands
+a bfloat16 input with float32 weights), run torch's op with a warning (once); no-grad and torch.export do too.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from comera_compile.ops.buffers import FLOATS, first_order
+from comera_compile.ops.buffers import FLOATS, dtype_fallback, first_order, plain_ops
 
 __all__ = ["layer_norm"]
 
@@ -70,10 +71,16 @@ class _LayerNorm(torch.autograd.Function):
 def layer_norm(x: torch.Tensor, normalized_shape: int | tuple[int, ...] | torch.Size,
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5) -> torch.Tensor:
-    """F.layer_norm that keeps its output and per-row 1/std for backward instead of its input."""
+    """F.layer_norm that keeps its output and per-row 1/std for backward instead of its input (torch's op
+    where no gradient is needed, under torch.export, and at other dtypes: see the module docstring)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    tensors = [t for t in (x, weight, bias) if t is not None]
-    if x.dtype not in FLOATS or not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors) \
-            or any(t.dtype != x.dtype for t in tensors):
+    if plain_ops(x, weight, bias):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    dtypes = {t.dtype for t in (x, weight, bias) if t is not None}
+    if x.dtype not in FLOATS or len(dtypes) > 1:
+        if x.is_floating_point():
+            dtype_fallback("layer_norm", x.dtype, "it takes float32 and float64 inputs, weight and bias of one "
+                           "dtype" + (f"; got {', '.join(sorted(str(d).replace('torch.', '') for d in dtypes))}"
+                                      if len(dtypes) > 1 else ""))
         return F.layer_norm(x, shape, weight, bias, eps)
     return _LayerNorm.apply(x, shape, weight, bias, eps)

@@ -1,5 +1,6 @@
 """nn.Module faces of the Tempo ops, and the adapters graph nodes call to read a module's p and
-train/eval flag at run time."""
+train/eval flag at run time.  A module in eval mode runs torch's own op, as the ops do under no_grad and
+torch.export: the saving is for a backward pass, and eval has none to train."""
 
 from __future__ import annotations
 
@@ -10,11 +11,22 @@ from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout
+from comera_compile.ops.buffers import FLOATS, dtype_fallback, exporting, plain_ops
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 
-__all__ = ["TempoGELU", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "module_dropout", "module_gelu_dropout",
-           "module_attention"]
+__all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "tempo_dropout",
+           "module_dropout", "module_gelu", "module_gelu_dropout", "module_layer_norm", "module_attention"]
+
+
+def tempo_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
+    """bit_dropout.dropout (the mask as bits), or torch's F.dropout under torch.export (whose mask draw reads a
+    seed out of a tensor) and, with a warning (once), at dtypes other than float32 / float64."""
+    if exporting():
+        return F.dropout(x, p, training)
+    if training and 0.0 < p < 1.0 and x.dtype not in FLOATS and x.is_floating_point() and not plain_ops(x):
+        dtype_fallback("dropout", x.dtype)
+    return dropout(x, p, training)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -22,16 +34,36 @@ __all__ = ["TempoGELU", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "modu
 
 
 class TempoGELU(nn.GELU):
-    """nn.GELU keeping its output (and a bit per element) for backward instead of its input."""
+    """nn.GELU keeping its output (and a bit per element) for backward instead of its input; in eval, nn.GELU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.gelu(x, approximate=self.approximate)
         return gelu(x, self.approximate)
 
 
-class TempoLayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose backward works from its output and per-row statistics."""
+class TempoGELUDropout(nn.GELU):
+    """nn.GELU then nn.Dropout(p) as one module (gelu_dropout: the dropout output, the mask as bits and the
+    branch bits kept); in eval, nn.GELU.  Takes the place of the activation of torch's transformer layers,
+    whose dropout then becomes nn.Identity."""
+
+    def __init__(self, p: float = 0.5, approximate: str = "none") -> None:
+        super().__init__(approximate)
+        self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_dropout(x, self.p, self.training, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, {super().extra_repr()}"
+
+
+class TempoLayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose backward works from its output and per-row statistics; in eval, nn.LayerNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
@@ -41,7 +73,7 @@ class TempoDropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inplace:
             return F.dropout(x, self.p, self.training, inplace=True)
-        return dropout(x, self.p, self.training)
+        return tempo_dropout(x, self.p, self.training)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -50,7 +82,19 @@ class TempoDropout(nn.Dropout):
 
 def module_dropout(x: torch.Tensor, module: nn.Dropout) -> torch.Tensor:
     """dropout with the p and training flag of an nn.Dropout (graph target for call_module dropouts)."""
-    return dropout(x, module.p, module.training)
+    return tempo_dropout(x, module.p, module.training)
+
+
+def module_gelu(x: torch.Tensor, approximate: str, module: nn.Module) -> torch.Tensor:
+    """Tempo gelu while `module` (the nn.GELU it replaces) trains, torch's F.gelu in eval."""
+    return gelu(x, approximate) if module.training else F.gelu(x, approximate=approximate)
+
+
+def module_layer_norm(x: torch.Tensor, module: nn.LayerNorm) -> torch.Tensor:
+    """Tempo layer_norm with an nn.LayerNorm's shape, eps and parameters (read at run time) while it trains,
+    torch's F.layer_norm in eval."""
+    fn = layer_norm if module.training else F.layer_norm
+    return fn(x, tuple(module.normalized_shape), module.weight, module.bias, module.eps)
 
 
 def module_gelu_dropout(x: torch.Tensor, approximate: str, module: nn.Dropout) -> torch.Tensor:
@@ -63,4 +107,4 @@ def module_attention(scores: torch.Tensor, v: torch.Tensor, dim: int, module: nn
     return softmax_dropout_matmul(scores, v, module.p, module.training, dim)
 
 
-TEMPO_MODULES = (TempoGELU, TempoLayerNorm, TempoDropout)
+TEMPO_MODULES = (TempoGELU, TempoGELUDropout, TempoLayerNorm, TempoDropout)

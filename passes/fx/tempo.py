@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
-from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
-from comera_compile.ops.tempo_modules import TEMPO_MODULES, module_attention, module_dropout, module_gelu_dropout
+from comera_compile.ops.tempo_modules import (TEMPO_MODULES, module_attention, module_dropout, module_gelu,
+                                              module_gelu_dropout, module_layer_norm, tempo_dropout)
 from comera_compile.passes import GraphPassResult, node_shape
 
 __all__ = ["TempoSummary", "tempo_graph"]
@@ -70,7 +70,7 @@ _DROPOUT_FNS = {F.dropout, torch.dropout}
 _SOFTMAX_FNS = {torch.softmax, F.softmax}
 _MATMUL_FNS = {operator.matmul, torch.matmul}
 # The functional versions under other names: tempo_graph's keyword flags reuse the public names.
-_gelu_fn, _layer_norm_fn, _dropout_fn = gelu, layer_norm, dropout
+_gelu_fn, _layer_norm_fn, _dropout_fn = gelu, layer_norm, tempo_dropout
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default: Any) -> Any:
@@ -223,8 +223,9 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
     Recognised: nn.GELU / F.gelu (both forms), nn.LayerNorm / F.layer_norm (any affine setting), nn.Dropout
     / F.dropout, torch.softmax / F.softmax / .softmax over the last dim feeding a dropout feeding the left
     side of a matmul (@, torch.matmul, .matmul), and GELU feeding a dropout (fused).  Modules keep their
-    parameters and their train/eval switch: the new nodes read them from the module at run time, and the
-    model's own modules are not changed.  Nodes it does not recognise are left exactly as they were."""
+    parameters and their train/eval switch: the new nodes read them from the module at run time (in eval,
+    torch's ops run), and the model's own modules are not changed.  Functional calls have no mode: they run
+    the Tempo op whenever a gradient is needed.  Nodes it does not recognise are left exactly as they were."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"tempo_graph takes a torch.fx.GraphModule, got {type(gm).__name__}; get one from "
                         f"comera_compile.tensorize(model) or torch.fx.symbolic_trace(model), or use "
@@ -299,8 +300,12 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
                 replace(user, target, args, f"gelu+dropout ({form} form): output, mask bits and branch bits "
                         f"kept", f"{_where(node)} -> {_where(user)}", erase=(node,))
             else:
-                replace(node, _gelu_fn, (x, form), f"gelu ({form} form): output and branch bits kept",
-                        _where(node))
+                if node.op == "call_module":   # eval mode runs torch's GELU: read the module's flag at run time
+                    with graph.inserting_before(node):
+                        target, args = module_gelu, (x, form, graph.get_attr(node.target))
+                else:
+                    target, args = _gelu_fn, (x, form)
+                replace(node, target, args, f"gelu ({form} form): output and branch bits kept", _where(node))
             continue
         if layer_norm and _written_in_place(gm, node) and (
                 (node.op == "call_module" and type(_module(gm, node)) is nn.LayerNorm)
@@ -310,11 +315,9 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
         if layer_norm:
             mod = _module(gm, node)
             if mod is not None and type(mod) is nn.LayerNorm and _input(node) is not None:
-                with graph.inserting_before(node):
-                    w = graph.get_attr(f"{node.target}.weight") if mod.weight is not None else None
-                    b = graph.get_attr(f"{node.target}.bias") if mod.bias is not None else None
-                replace(node, _layer_norm_fn, (_input(node), tuple(mod.normalized_shape), w, b, mod.eps),
-                        "layer_norm: output and 1/std kept", _where(node))
+                with graph.inserting_before(node):   # shape, eps, parameters and mode read at run time
+                    args = (_input(node), graph.get_attr(node.target))
+                replace(node, module_layer_norm, args, "layer_norm: output and 1/std kept", _where(node))
                 continue
             if node.op == "call_function" and node.target in _LAYER_NORM_FNS:
                 args = [_arg(node, i, k, dflt) for i, (k, dflt) in enumerate(

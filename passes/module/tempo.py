@@ -1,10 +1,13 @@
 """Tempo on an nn.Module: ``tempo(model)`` traces the model and runs the graph pass, or, for a model
 torch.fx cannot trace, ``tempo_modules(model)`` swaps its nn.GELU, nn.LayerNorm and nn.Dropout submodules
-for the Tempo versions in place (no attention fusion: that needs the graph).
+for the Tempo versions in place (no attention fusion: that needs the graph).  torch's own composite modules
+(nn.TransformerEncoder, nn.Transformer, ...) stay leaves of the trace; ``tempo`` swaps inside its own copies of
+them (parameters shared).
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -12,7 +15,9 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.ops.tempo_modules import TEMPO_MODULES, TempoDropout, TempoGELU, TempoLayerNorm
+from comera_compile.layers import TTLayer
+from comera_compile.ops.tempo_modules import (TEMPO_MODULES, TempoDropout, TempoGELU, TempoGELUDropout,
+                                              TempoLayerNorm)
 from comera_compile.passes.fx.tempo import TempoSummary, logger, tempo_graph
 from comera_compile.passes.module.trace import trace_model
 
@@ -53,45 +58,130 @@ def _swap_for(mod: nn.Module, gelu: bool, layer_norm: bool, dropout: bool) -> tu
     return None
 
 
-def tempo_modules(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True,
-                  dropout: bool = True) -> nn.Module:
-    """Swap the nn.GELU (and transformers' GELUActivation / GELUTanh), nn.LayerNorm and nn.Dropout
-    submodules of `model` for TempoGELU / TempoLayerNorm / TempoDropout, in place; returns model, with a
-    TempoSummary as ``model.tempo_summary``.  Parameters are shared, not copied (state_dict keys and an
-    existing optimizer stay valid).  For any nn.Module; functional calls inside forward (F.gelu, softmax ->
-    dropout -> matmul) need tempo_graph on a traced graph instead.  TempoGELU and TempoLayerNorm keep their
-    output for backward: if forward code then modifies it in place, backward raises autograd's in-place
-    error (pass gelu=False / layer_norm=False for such a model)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"tempo_modules takes an nn.Module, got {type(model).__name__}")
-    summary = TempoSummary(traced=False)
-    swaps: dict[int, tuple[nn.Module, str]] = {}
-    for name, mod in model.named_modules(remove_duplicate=False):
+_TORCH_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+_UNREACHABLE = "unreachable"   # the start of a kept entry's reason for a site no pass can reach
+
+
+def _swap_activation(layer: nn.Module, where: str, summary: TempoSummary, dropout: bool, inside: str) -> None:
+    """A torch transformer layer's GELU activation (the function F.gelu for activation="gelu", or an nn.GELU)
+    becomes a TempoGELU, or with its following dropout (the layer's ``dropout``, used only after it), one
+    TempoGELUDropout while ``dropout`` becomes nn.Identity: GELU alone would keep its output, which only
+    the dropout reads, so only the fused op saves."""
+    act = getattr(layer, "activation", None)
+    form = "none" if act is F.gelu else act.approximate if type(act) is nn.GELU else None
+    if form is None:
+        return
+    drop = getattr(layer, "dropout", None)
+    if dropout and type(drop) is nn.Dropout and not drop.inplace:
+        layer.activation = TempoGELUDropout(drop.p, form).train(drop.training)
+        layer.dropout = nn.Identity()
+        summary.replaced[where] = f"gelu+dropout ({form} form, the layer's activation and dropout, now " \
+                                  f"nn.Identity): output, mask bits and branch bits kept{inside}"
+    else:
+        layer.activation = TempoGELU(form).train(layer.training)
+        summary.replaced[where] = f"gelu ({form} form): output and branch bits kept{inside}"
+
+
+def _swap_tree(root: nn.Module, prefix: str, summary: TempoSummary, swaps: dict[int, tuple[nn.Module, str]],
+               gelu: bool, layer_norm: bool, dropout: bool, attention: bool) -> None:
+    """Swap the Tempo modules into root's submodules, in place, recording them under prefix.name.  torch's
+    transformer layers keep activation="gelu" as the function F.gelu in an attribute: it becomes a TempoGELU
+    submodule.  nn.MultiheadAttention's softmax -> dropout -> matmul runs inside torch's own function, where
+    no pass reaches: listed as kept (when it has dropout and attention is asked for)."""
+    inside = f" (inside {type(root).__name__} {prefix})" if prefix else ""
+    if gelu:
+        for name, mod in root.named_modules():
+            if isinstance(mod, _TORCH_LAYERS):
+                _swap_activation(mod, ".".join(n for n in (prefix, name, "activation") if n), summary, dropout,
+                                 inside)
+    for name, mod in list(root.named_modules(remove_duplicate=False)):
+        full = ".".join(n for n in (prefix, name) if n)
+        if isinstance(mod, nn.MultiheadAttention) and attention and mod.dropout > 0.0:
+            summary.kept[full or type(mod).__name__] = (
+                f"{_UNREACHABLE}: attention inside nn.MultiheadAttention (softmax -> dropout -> matmul in torch's "
+                f"own function; its dropout is a float, not a module)")
         if not name:
             continue
         if id(mod) not in swaps:
             found = _swap_for(mod, gelu, layer_norm, dropout)
             if found is None:
                 if isinstance(mod, nn.Dropout) and type(mod) is nn.Dropout and mod.inplace:
-                    summary.kept[name] = "in-place dropout (its input is overwritten; left as is)"
+                    summary.kept[full] = "in-place dropout (its input is overwritten; left as is)"
                 continue
             new, what = found
             new.train(mod.training)
             swaps[id(mod)] = (new, what)
         new, what = swaps[id(mod)]
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
-        summary.replaced[name] = what
+        setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
+        summary.replaced[full] = what + inside
+
+
+def _warn_unreachable(summary: TempoSummary, model: nn.Module) -> None:
+    """Warn about the sites listed as unreachable in the summary (the pass saves nothing there)."""
+    where = [w for w, why in summary.kept.items() if why.startswith(_UNREACHABLE)]
+    if where:
+        warnings.warn(f"tempo: {len(where)} site(s) of {type(model).__name__} run inside torch's own functions, "
+                      f"where no Tempo op can reach (see tempo_summary.kept): {', '.join(where)}", stacklevel=3)
+
+
+def tempo_modules(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True,
+                  dropout: bool = True) -> nn.Module:
+    """Swap the nn.GELU (and transformers' GELUActivation / GELUTanh, and the activation="gelu" of torch's
+    transformer layers), nn.LayerNorm and nn.Dropout submodules of `model` for TempoGELU / TempoLayerNorm /
+    TempoDropout, in place; returns model, with a TempoSummary as ``model.tempo_summary``.  Parameters are
+    shared, not copied (state_dict keys and an existing optimizer stay valid).  For any nn.Module; functional
+    calls inside forward (F.gelu, softmax -> dropout -> matmul) need tempo_graph on a traced graph instead.
+    TempoGELU and TempoLayerNorm keep their output for backward: if forward code then modifies it in place,
+    backward raises autograd's in-place error (pass gelu=False / layer_norm=False for such a model)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tempo_modules takes an nn.Module, got {type(model).__name__}")
+    summary = TempoSummary(traced=False)
+    _swap_tree(model, "", summary, {}, gelu, layer_norm, dropout, attention=False)
     model.tempo_summary = summary
     logger.info("%s", summary)
     return model
+
+
+_PASS_TYPES = (nn.GELU, nn.LayerNorm, nn.Dropout)   # call_module leaves tempo_graph itself rewrites
+
+
+def _swap_in_leaves(gm: torch.fx.GraphModule, gelu: bool, layer_norm: bool, dropout: bool,
+                    attention: bool) -> TempoSummary:
+    """The module swap inside the graph's call_module leaves (torch's own modules, such as
+    nn.TransformerEncoder, whose forward the trace does not enter), each leaf first copied into the graph
+    module with its parameters and buffers shared: the user's model keeps its own modules."""
+    summary, swaps, seen = TempoSummary(), {}, set()
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in seen:
+            continue
+        seen.add(node.target)
+        mod = gm.get_submodule(node.target)
+        if isinstance(mod, (TTLayer, *TEMPO_MODULES)) or type(mod) in _PASS_TYPES or not any(
+                _reachable(m) for m in mod.modules()):
+            continue
+        own = copy.deepcopy(mod, {id(t): t for t in (*mod.parameters(), *mod.buffers())})
+        parent, _, attr = node.target.rpartition(".")
+        setattr(gm.get_submodule(parent) if parent else gm, attr, own)
+        _swap_tree(own, node.target, summary, swaps, gelu, layer_norm, dropout, attention)
+    return summary
+
+
+def _reachable(mod: nn.Module) -> bool:
+    """Whether the module swap has anything to do or report in `mod` (a torch transformer layer, a module it
+    swaps, an attention it lists)."""
+    return isinstance(mod, (*_TORCH_LAYERS, *_PASS_TYPES, nn.MultiheadAttention)) or _hf_gelu_form(mod) is not None
 
 
 def tempo(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True, attention: bool = True,
           dropout: bool = True) -> nn.Module:
     """Tempo memory passes on any model: tempo_graph on a GraphModule (in place); otherwise trace with
     torch.fx (nn modules as leaves, the model's own modules shared) and run tempo_graph, or, when tracing
-    fails, swap modules in place with tempo_modules and warn.  The result carries ``tempo_summary``."""
+    fails, swap modules in place with tempo_modules and warn.  Inside the leaves the trace does not enter
+    (torch's nn.TransformerEncoder, nn.Transformer, ...), the modules are swapped in the result's own copy
+    of each leaf, its parameters and buffers shared with the model given; what no pass can reach (attention inside
+    nn.MultiheadAttention) is listed in the summary's ``kept`` and warned about.  The result carries
+    ``tempo_summary``."""
     if isinstance(model, torch.fx.GraphModule):
         return tempo_graph(model, gelu=gelu, layer_norm=layer_norm, attention=attention, dropout=dropout).graph_module
     if not isinstance(model, nn.Module):
@@ -104,5 +194,15 @@ def tempo(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True, atten
                       f"LayerNorm and Dropout modules in place instead (no attention fusion).", stacklevel=2)
         out = tempo_modules(model, gelu=gelu, layer_norm=layer_norm, dropout=dropout)
         out.tempo_summary.trace_error = error
+        if attention:   # list attention no pass reaches (nothing else is swapped with every flag off)
+            _swap_tree(model, "", out.tempo_summary, {}, False, False, False, attention=True)
+            _warn_unreachable(out.tempo_summary, model)
         return out
-    return tempo_graph(gm, gelu=gelu, layer_norm=layer_norm, attention=attention, dropout=dropout).graph_module
+    inside = _swap_in_leaves(gm, gelu, layer_norm, dropout, attention)
+    out = tempo_graph(gm, gelu=gelu, layer_norm=layer_norm, attention=attention, dropout=dropout).graph_module
+    out.tempo_summary.replaced.update(inside.replaced)
+    out.tempo_summary.kept.update(inside.kept)
+    _warn_unreachable(out.tempo_summary, model)
+    if inside.replaced:
+        logger.info("%s", out.tempo_summary)
+    return out
