@@ -9,7 +9,7 @@ import torch
 
 from .layers import TTLayer
 
-__all__ = ["balance", "balance_layers", "canonicalize", "frobenius_norm"]
+__all__ = ["balance", "balance_layers", "canonicalize", "canonicalize_layers", "frobenius_norm", "frobenius_norms"]
 
 # Below this fraction of its bond's largest, a half's column norm (balance) is float32 noise: the slice is not
 # rescaled by it.
@@ -63,10 +63,24 @@ def _stacked(layers: list[TTLayer]) -> tuple[list[torch.Tensor], list[torch.Tens
 @torch.no_grad()
 def frobenius_norm(layer: TTLayer) -> float:
     """The Frobenius norm of the layer's weight (cores and gates), without forming it."""
-    if len(layer.cores) < 2:
-        return float(layer.cores[0].detach().double().norm()) if len(layer.cores) else 0.0
-    flat, g = _stacked([layer])
-    return float(_weight_norm(*_grams(flat, g), g)[0])
+    return float(frobenius_norms([layer])[0])
+
+
+@torch.no_grad()
+def frobenius_norms(layers: list[TTLayer]) -> torch.Tensor:
+    """``frobenius_norm`` of every layer as one float64 vector on the CPU, layers of one shape together (one
+    transfer from the device for all of them)."""
+    out = torch.zeros(len(layers), dtype=torch.float64)
+    groups: dict[tuple, list[int]] = {}
+    for i, layer in enumerate(layers):
+        if len(layer.cores) == 1:
+            out[i] = layer.cores[0].detach().double().norm().cpu()
+        elif len(layer.cores) > 1:
+            groups.setdefault(_shape_key(layer), []).append(i)
+    for members in groups.values():
+        flat, g = _stacked([layers[i] for i in members])
+        out[members] = _weight_norm(*_grams(flat, g), g).cpu()
+    return out
 
 
 @torch.no_grad()
@@ -153,38 +167,53 @@ def canonicalize(layer: TTLayer) -> None:
     sweep left to right leaves every core with orthonormal columns, then an SVD sweep right to left reads
     each bond's singular values off one small core (no Gram matrices: they square the condition number).
     Every entry is rotated: the optimizer's per-entry moments no longer fit (optim_state.restart)."""
-    n = len(layer.cores)
-    if n < 2:
-        return
-    flat = [c.detach().reshape(c.shape[0], -1, c.shape[-1]).double() for c in layer.cores]
-    gates = [x.detach().double() for x in layer.gates]
+    canonicalize_layers([layer])
+
+
+@torch.no_grad()
+def canonicalize_layers(layers: list[TTLayer]) -> None:
+    """``canonicalize`` of every layer, layers of one shape in batched QRs and SVDs (the check rounds every
+    layer at once: a few operations per bond for all of them, not a few dozen per layer)."""
+    groups: dict[tuple, list[TTLayer]] = {}
+    for layer in layers:
+        if len(layer.cores) >= 2:
+            groups.setdefault(_shape_key(layer), []).append(layer)
+    for members in groups.values():
+        _canonicalize_group(members)
+
+
+def _canonicalize_group(layers: list[TTLayer]) -> None:
+    n, z = len(layers[0].cores), len(layers)
+    flat, gates = _stacked(layers)   # flat[k]: (z, r0, m, r1)
     for k in range(n - 1):  # left to right: core k -> Q (orthonormal columns), its R and gate into core k + 1
-        r0, m, r1 = flat[k].shape
-        q, rr = torch.linalg.qr((flat[k] * gates[k]).reshape(r0 * m, r1))
-        if q.shape[1] < r1:  # more slices than the bond can hold: the extra ones are zero
-            q = torch.cat([q, q.new_zeros(q.shape[0], r1 - q.shape[1])], 1)
-            rr = torch.cat([rr, rr.new_zeros(r1 - rr.shape[0], r1)], 0)
-        flat[k] = q.reshape(r0, m, r1)
-        flat[k + 1] = torch.einsum("ij,jmk->imk", rr, flat[k + 1])
-    sigma_right = torch.ones(1, dtype=torch.float64, device=flat[-1].device)
+        _, r0, m, r1 = flat[k].shape
+        q, rr = torch.linalg.qr((flat[k] * gates[k][:, None, None]).reshape(z, r0 * m, r1))
+        if q.shape[-1] < r1:  # more slices than the bond can hold: the extra ones are zero
+            q = torch.cat([q, q.new_zeros(z, q.shape[1], r1 - q.shape[-1])], -1)
+            rr = torch.cat([rr, rr.new_zeros(z, r1 - rr.shape[1], r1)], 1)
+        flat[k] = q.reshape(z, r0, m, r1)
+        flat[k + 1] = torch.einsum("zij,zjmk->zimk", rr, flat[k + 1])
+    sigma_right = flat[-1].new_ones(z, 1)
     for k in range(n - 1, 0, -1):  # right to left: the singular values of bond k - 1, from core k alone
-        r0, m, r1 = flat[k].shape
-        u, sigma, vh = torch.linalg.svd((flat[k] * sigma_right).reshape(r0, m * r1), full_matrices=True)
-        rows = vh[:r0]
-        if rows.shape[0] < r0:
-            rows = torch.cat([rows, rows.new_zeros(r0 - rows.shape[0], rows.shape[1])], 0)
-        sigma = torch.cat([sigma, sigma.new_zeros(r0 - sigma.numel())])
+        _, r0, m, r1 = flat[k].shape
+        u, sigma, vh = torch.linalg.svd((flat[k] * sigma_right[:, None, None]).reshape(z, r0, m * r1),
+                                        full_matrices=True)
+        rows = vh[:, :r0]
+        if rows.shape[1] < r0:
+            rows = torch.cat([rows, rows.new_zeros(z, r0 - rows.shape[1], rows.shape[-1])], 1)
+        sigma = torch.cat([sigma, sigma.new_zeros(z, r0 - sigma.shape[-1])], -1)
         # core k times diag(sigma_right) is now `rows` (orthonormal); a negligible direction of bond k keeps its
         # column undivided, with a zero gate
-        live = sigma_right > _DROPPED * sigma_right.max()
-        flat[k] = rows.reshape(r0, m, r1) / torch.where(live, sigma_right, torch.ones_like(sigma_right))
+        live = sigma_right > _DROPPED * sigma_right.amax(-1, keepdim=True)
+        flat[k] = rows.reshape(z, r0, m, r1) / torch.where(live, sigma_right, 1.0)[:, None, None]
         if k < n - 1:
-            gates[k] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
-        flat[k - 1] = torch.einsum("imj,jk->imk", flat[k - 1], u)
+            gates[k] = torch.where(live, sigma_right, 0.0)
+        flat[k - 1] = torch.einsum("zimj,zjk->zimk", flat[k - 1], u)
         sigma_right = sigma
-    live = sigma_right > _DROPPED * sigma_right.max()
-    gates[0] = torch.where(live, sigma_right, torch.zeros_like(sigma_right))
-    for k, core in enumerate(layer.cores):
-        core.copy_(flat[k].reshape(core.shape).to(core.dtype))
-    for gate, value in zip(layer.gates, gates):
-        gate.copy_(value.to(gate.dtype))
+    live = sigma_right > _DROPPED * sigma_right.amax(-1, keepdim=True)
+    gates[0] = torch.where(live, sigma_right, 0.0)
+    for k in range(n):
+        cores = [m.cores[k] for m in layers]
+        torch._foreach_copy_(cores, list(flat[k].reshape(z, *cores[0].shape).to(cores[0].dtype).unbind(0)))
+    for k in range(n - 1):
+        torch._foreach_copy_([m.gates[k] for m in layers], list(gates[k].to(layers[0].gates[k].dtype).unbind(0)))

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["replace", "replace_pruned", "rescale", "rescale_all", "restart", "index_select", "retire",
+__all__ = ["replace", "replace_pruned", "rescale", "rescale_all", "restart", "restart_all", "index_select", "retire",
            "SECOND_MOMENTS", "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
@@ -118,21 +118,69 @@ def restart(st: dict, old: torch.Tensor, new: torch.Tensor) -> dict:
     its bond's average second moment, its first moment restarts at zero.  Other optimizers: first moments
     zero, second moments and Rprop's step sizes averaged over the rotated axes, ASGD's average of the parameter
     the rotated parameter; NAdam's momentum product restarts with its step."""
-    p = new
-    from_nothing = p.dim() > 1 and "exp_avg_sq" in st and "step" in st
-    axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
-    for key, value in st.items():
-        if key in ("step", "mu_product") and from_nothing:
+    for key, action, axes in _restart_plan(st, new):
+        value = st[key]
+        if action == "fresh":
             fresh = 0 if key == "step" else 1
             st[key] = value.fill_(fresh) if isinstance(value, torch.Tensor) else type(value)(fresh)
-        elif _per_element(value, p):
-            if key == "ax":
-                value.copy_(p.detach())
-            elif key in (*SECOND_MOMENTS, "step_size") and not from_nothing:
-                value.copy_(value.mean(axes, keepdim=True).expand_as(value))
-            else:
-                value.zero_()
+        elif action == "param":
+            value.copy_(new.detach())
+        elif action == "average":
+            value.copy_(value.mean(axes, keepdim=True).expand_as(value))
+        else:
+            value.zero_()
     return st
+
+
+def restart_all(optimizer: torch.optim.Optimizer | None, params: list[torch.Tensor]) -> None:
+    """``restart`` applied where the parameters are (``replace(optimizer, [(p, p) ...], restart)``), each kind
+    of change batched over all of them (zeroed, averaged by shape, set to the parameter): the same arithmetic,
+    a few operations for a model's hundreds of cores and gates, as the check's rounding needs."""
+    if optimizer is None:
+        return
+    zeros, ones, to_param = [], [], ([], [])
+    average: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        st = optimizer.state.get(p) or {}
+        for key, action, axes in _restart_plan(st, p):
+            value = st[key]
+            if action == "fresh" and not isinstance(value, torch.Tensor):
+                st[key] = type(value)(0 if key == "step" else 1)
+            elif action == "fresh":
+                (zeros if key == "step" else ones).append(value)
+            elif action == "param":
+                to_param[0].append(value)
+                to_param[1].append(p.detach())
+            elif action == "average":
+                average.setdefault((tuple(value.shape), axes, value.dtype, value.device), []).append(value)
+            else:
+                zeros.append(value)
+    for values in (zeros, ones):
+        if values:
+            torch._foreach_zero_(values)
+    if ones:
+        torch._foreach_add_(ones, 1)
+    if to_param[0]:
+        torch._foreach_copy_(*to_param)
+    for (_, axes, _, _), values in average.items():
+        stacked = torch.stack(values)
+        means = stacked.mean([a + 1 for a in axes], keepdim=True).expand_as(stacked)
+        torch._foreach_copy_(values, list(means.unbind(0)))
+
+
+def _restart_plan(st: dict, p: torch.Tensor) -> list[tuple[str, str, tuple[int, ...]]]:
+    """What ``restart`` does to each state entry of `p`: (key, "fresh" | "param" | "average" | "zero", the
+    rotated axes an average runs over)."""
+    from_nothing = p.dim() > 1 and "exp_avg_sq" in st and "step" in st
+    axes = (0,) if p.dim() == 1 else (0, p.dim() - 1)
+    plan = []
+    for key, value in st.items():
+        if key in ("step", "mu_product") and from_nothing:
+            plan.append((key, "fresh", axes))
+        elif _per_element(value, p):
+            average = key in (*SECOND_MOMENTS, "step_size") and not from_nothing
+            plan.append((key, "param" if key == "ax" else "average" if average else "zero", axes))
+    return plan
 
 
 def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:

@@ -176,3 +176,44 @@ def test_rescale_all_of_many_gates_gives_each_the_state_rescale_gives_it(name):
         for key, value in ref.state[r].items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(opt.state[g][key], value), f"{name}'s {key}"
+
+
+RESTARTED = {**GRADIENT_STATE, "Rprop": (torch.optim.Rprop, {}), "ASGD": (torch.optim.ASGD, {}),
+             "Adadelta": (torch.optim.Adadelta, {})}
+
+
+@pytest.mark.parametrize("name", sorted(RESTARTED))
+def test_restart_all_of_many_cores_and_gates_gives_each_the_state_restart_gives_it(name):
+    """restart_all (each kind of change batched over all parameters, as RankAdaptive's check rounds every
+    layer at once) leaves each core and gate, of several shapes and dtypes, the state restart gives it alone."""
+    from comera_compile.optim_state import restart_all
+
+    cls, kwargs = RESTARTED[name]
+    if cls is None:
+        pytest.skip("this torch has no Adafactor")
+    torch.manual_seed(0)
+    shapes = [(1, 4, 3), (3, 4, 1), (1, 4, 3), (3, 2, 2, 1), (3,), (3,), (5,)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float32, torch.float32, torch.float64, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(s, dtype=dt)) for s, dt in zip(shapes, dtypes)]
+    opt = cls(params, lr=1e-3, **kwargs)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    with torch.no_grad():
+        for p in params:
+            p.mul_(-1.0)   # the rounding rotated them (ASGD's average becomes the parameter)
+    saved, ref = copy.deepcopy(opt.state_dict()), copy.deepcopy(opt)   # the copy's parameters: its own
+    restart_all(opt, params)
+    changed = 0
+    for i, (p, r) in enumerate(zip(params, ref.param_groups[0]["params"])):
+        replace(ref, [(r, r)], restart)
+        assert set(opt.state[p]) == set(ref.state[r])
+        for key, value in ref.state[r].items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(opt.state[p][key], value, rtol=1e-6, atol=0, msg=f"{name}'s {key}")
+                before = saved["state"][i][key]
+                changed += int(not torch.equal(before, value))
+            else:
+                assert opt.state[p][key] == value, f"{name}'s {key}"
+    assert changed > 0   # the restart did something to compare

@@ -1476,3 +1476,43 @@ def test_a_plain_step_runs_as_many_operations_for_forty_layers_as_for_two():
     a GPU): the proximal step, the masks and the penalty work on all gates at once, so their count does not
     grow with the layers (gate by gate, 84 layers took 4,211)."""
     assert _ops_per_plain_step(40) == _ops_per_plain_step(2) < 60
+
+
+def test_rounding_layers_together_rounds_each_as_alone_and_keeps_each_function():
+    """canonicalize_layers (layers of one shape in batched QRs and SVDs, as the check rounds a model's layers)
+    gives every layer, of several shapes, the cores and gates canonicalize gives it alone, and leaves each
+    layer's dense weight as it was."""
+    import copy
+
+    from comera_compile.gauge import canonicalize, canonicalize_layers
+
+    torch.manual_seed(0)
+    layers = [TTLinear(64, 64, rank=4, in_modes=(8, 8), out_modes=(8, 8), dtype=torch.float64),
+              TTLinear(64, 64, rank=4, in_modes=(8, 8), out_modes=(8, 8), dtype=torch.float64),
+              TTLinear(24, 36, rank=[2, 6, 9, 5, 3], in_modes=(2, 3, 4), out_modes=(3, 3, 4), dtype=torch.float64),
+              TTLinear(64, 64, rank=4, in_modes=(8, 8), out_modes=(8, 8), dtype=torch.float64)]
+    with torch.no_grad():
+        for layer in layers:
+            for g in layer.gates:
+                g.copy_(torch.rand_like(g) + 0.1)
+    dense = [layer.to_dense().clone() for layer in layers]
+    alone = copy.deepcopy(layers)
+    ref_trains = [([c.detach().clone() for c in m.cores], [g.detach().clone() for g in m.gates]) for m in layers]
+    canonicalize_layers(layers)
+    for layer, ref, weight in zip(layers, alone, dense):
+        canonicalize(ref)
+        torch.testing.assert_close(layer.to_dense(), weight, rtol=1e-10, atol=1e-12)
+        for a, b in zip([*layer.cores, *layer.gates], [*ref.cores, *ref.gates]):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # each bond's gates are the singular values of the whole train's unfolding there (computed before rounding)
+    for layer, (cores, gates) in zip(layers, ref_trains):
+        middles = [c.numel() // (c.shape[0] * c.shape[-1]) for c in cores]
+        train = cores[0].reshape(-1, cores[0].shape[-1])
+        for k in range(1, len(cores)):
+            train = ((train * gates[k - 1]) @ cores[k].reshape(cores[k].shape[0], -1)).reshape(-1, cores[k].shape[-1])
+        for k, g in enumerate(layer.gates):
+            svals = torch.linalg.svdvals(train.reshape(math.prod(middles[:k + 1]), -1))
+            torch.testing.assert_close(g.detach(), svals[:g.numel()], rtol=1e-9, atol=1e-12)
+    for layer in layers:
+        q = layer.cores[0].reshape(-1, layer.cores[0].shape[-1])
+        torch.testing.assert_close(q.T @ q, torch.eye(q.shape[1], dtype=torch.float64), atol=1e-10, rtol=0)

@@ -4,6 +4,8 @@ off.  The one owner of the masks: everything else reads them here."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from typing import Any, Sequence
 
@@ -16,6 +18,28 @@ def gates_of(layer: Any) -> list[torch.Tensor]:
     """A TT layer's gates, in bond order, as a list (read once per step per layer: iterating the
     ParameterList looks each one up by its string index, a few microseconds a gate)."""
     return list(layer.gates._parameters.values())
+
+
+def _segments(tensors: list[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+    """The tensors grouped by device, each group's indices with the offset each starts at once flattened
+    and concatenated: the whole model's gates or masks read in a few operations, not a few per gate."""
+    groups: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(t.device, []).append(i)
+    return [(members, [0, *itertools.accumulate(tensors[i].numel() for i in members)][:-1])
+            for members in groups.values()]
+
+
+def _counts(tensors: list[torch.Tensor]) -> list[int]:
+    """Each tensor's count of nonzero (True) entries, one transfer to the host per device."""
+    out = [0] * len(tensors)
+    for members, offsets in _segments(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in members]).to(torch.long)
+        ends = torch.cat([flat.new_zeros(1), flat.cumsum(0)])
+        sums = ends[torch.tensor([*offsets[1:], flat.numel()], device=flat.device)].tolist()
+        for i, start, end in zip(members, ends[torch.tensor(offsets, device=flat.device)].tolist(), sums):
+            out[i] = end - start
+    return out
 
 
 class Allocation:
@@ -38,9 +62,10 @@ class Allocation:
 
     def update(self) -> None:
         """Refresh what follows from the masks (size, ranks, the masked bonds) after they change."""
-        self.ranks = {name: (1, *(int(m.sum()) for m in self.masks[name]), 1) for name in self.layers}
+        counts = iter(_counts([m for name in self.layers for m in self.masks[name]]))
+        self.ranks = {name: (1, *(next(counts) for _ in self.masks[name]), 1) for name in self.layers}
         self.masked = [(name, k) for name in self.layers for k, m in enumerate(self.masks[name])
-                       if int(m.sum()) < m.numel()]
+                       if self.ranks[name][k + 1] < m.numel()]
         self.size = sum(self.core_params_at(name, r) for name, r in self.ranks.items())
         self.size_t.fill_(float(self.size))
 
@@ -90,11 +115,17 @@ class Allocation:
     @torch.no_grad()
     def switch_off(self, tau: float, floor: float | None = None) -> None:
         """Mask the active gates under tau, weakest first; with a `floor`, only while the size is above it."""
+        where = [(name, k) for name, layer in self.layers.items() for k in range(len(layer.gates))]
+        gates = [g.detach() for layer in self.layers.values() for g in gates_of(layer)]
+        masks = [m for name in self.layers for m in self.masks[name]]
         off = []
-        for name, layer in self.layers.items():
-            for k, (g, m) in enumerate(zip(layer.gates, self.masks[name])):
-                for j in torch.nonzero(m & (g.abs() < tau)).flatten().tolist():
-                    off.append((float(g[j].abs()), name, k, j))
+        for members, offsets in _segments(gates):
+            size = torch.cat([gates[i].reshape(-1) for i in members]).abs()
+            live = torch.cat([masks[i].reshape(-1) for i in members])
+            hits = torch.nonzero(live & (size < tau)).flatten()
+            for at, value in zip(hits.tolist(), size[hits].tolist()):
+                seg = bisect.bisect_right(offsets, at) - 1
+                off.append((value, *where[members[seg]], at - offsets[seg]))
         for _, name, k, j in sorted(off):
             if floor is not None and self.size <= floor:
                 break

@@ -18,11 +18,11 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import distributed as _dist
 from ..distributed.checkpoint import state_dict_layers
-from ..gauge import balance_layers, canonicalize
+from ..gauge import balance_layers, canonicalize_layers
 from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
 from ..optim import learning_rates, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
-from ..optim_state import replace, rescale_all, restart
+from ..optim_state import rescale_all, restart_all
 from ..regional import drop_stale_graphs
 from . import cuts
 from .allocation import Allocation, gates_of
@@ -305,9 +305,8 @@ class RankAdaptive(Reports):
             if _dist.synchronize(self.model, self.layers, alloc.masks, self.process_group):
                 alloc.update()
                 self._loss_ema = _dist.replica_mean(self._loss_ema, self._penalty_t.device, self.process_group)
-            for name, layer in self.layers.items():
-                canonicalize(layer)
-                replace(self.optimizer, [(p, p) for p in (*layer.cores, *layer.gates)], restart)
+            canonicalize_layers(list(self.layers.values()))
+            restart_all(self.optimizer, [p for layer in self.layers.values() for p in (*layer.cores, *layer.gates)])
             # the gates' moments stay in the balanced scale (first ones restarted, second ones averaged), not the
             # singular values' scale the rounding left the gates in: nothing to carry
             _balance_all(self, carry=False)
