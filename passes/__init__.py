@@ -15,12 +15,14 @@ Each kind has one signature:
 
 from __future__ import annotations
 
+import inspect
+import operator
 from typing import Any
 
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-__all__ = ["GraphPassResult", "node_value", "node_shape", "lifted_tensor"]
+__all__ = ["GraphPassResult", "node_value", "node_shape", "lifted_tensor", "calls_in_place"]
 
 
 class GraphPassResult(PassResult):
@@ -61,3 +63,32 @@ def lifted_tensor(node: torch.fx.Node) -> torch.Tensor | None:
     except Exception:   # no record, or its weak reference is dead
         return None
     return example if isinstance(example, torch.Tensor) else None
+
+
+# h += 1 and the like in a dynamo graph: in-place on tensors, though their names do not end in "_"
+_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul, operator.setitem}
+
+
+def calls_in_place(node: torch.fx.Node) -> bool:
+    """Whether a call_function / call_method node writes its first argument: ``h += 1`` (operator.iadd and
+    kin, or ``h.__iadd__``), ``h[i] = v``, a name with a trailing underscore (``torch.relu_``, ``h.mul_``), or
+    an ``inplace`` argument that is True, by keyword or by position (dynamo keeps the user's
+    ``F.relu(h, True)`` and ``F.dropout(h, p, True, True)``, and fast_dropout's ``hash_dropout(inplace=True)``)."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if target in _INPLACE_OPERATORS or (name.endswith("_") and not name.endswith("__")) or name.startswith("__i"):
+        return True
+    if node.kwargs.get("inplace") is True:
+        return True
+    if isinstance(target, str):
+        return False
+    try:
+        params = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):   # a builtin without a signature: its name said it
+        return False
+    return "inplace" in params and len(node.args) > params.index("inplace") \
+        and node.args[params.index("inplace")] is True

@@ -17,7 +17,7 @@ these are small GEMMs whose launch and tail cost as much as their arithmetic (do
 
 Values are unchanged (the same products, grouped); only pure computations of the right-hand sides move
 earlier in the graph, never across a change of grad mode or autocast, an in-place op or a module call.
-Graphs with symbolic shapes, and nodes without recorded fake values, are left alone.
+Products with a symbolic size (a dynamic row count), and nodes without recorded fake values, are left alone.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.fx
 
 from comera_compile.layers import TTLayer
 from comera_compile.logs import _owner
-from comera_compile.passes import GraphPassResult, lifted_tensor, node_shape, node_value
+from comera_compile.passes import GraphPassResult, calls_in_place, lifted_tensor, node_shape, node_value
 
 __all__ = ["batch_siblings"]
 
@@ -100,12 +100,6 @@ def _product(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.f
     return a, b, bias
 
 
-# h += 1 and the like in a dynamo graph: in-place on tensors, though their names do not end in "_"
-_INPLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-                      operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
-                      operator.irshift, operator.imatmul}
-
-
 def _is_boundary(node: torch.fx.Node) -> bool:
     """A node nothing may move across: a grad-mode or autocast switch, an assertion, an in-place op, a
     module call."""
@@ -113,10 +107,7 @@ def _is_boundary(node: torch.fx.Node) -> bool:
         return True
     if node.op not in ("call_function", "call_method") or node.target in _QUIET:
         return False
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    return (node.is_impure() or (name.endswith("_") and not name.startswith("__"))
-            or node.target is operator.setitem or node.target in _INPLACE_OPERATORS
-            or (isinstance(node.target, str) and node.target.startswith("__i")))   # x.__iadd__(y)
+    return node.is_impure() or calls_in_place(node)
 
 
 class _Graph:

@@ -7,7 +7,6 @@ records what it replaced in a ``TempoSummary`` (also logged by the "comera_compi
 
 from __future__ import annotations
 
-import inspect
 import logging
 import operator
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import (TEMPO_MODULES, module_attention, module_dropout, module_gelu,
                                               module_gelu_dropout, module_layer_norm, tempo_dropout)
-from comera_compile.passes import GraphPassResult, node_shape
+from comera_compile.passes import GraphPassResult, calls_in_place, node_shape
 
 __all__ = ["TempoSummary", "tempo_graph"]
 
@@ -138,9 +137,6 @@ def _gelu_form(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
     return None
 
 
-_INPLACE_FNS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
-
 # Functions and methods whose result may be a view of their first argument: writing into it writes the input.
 _VIEW_FNS = {operator.getitem, torch.narrow, torch.select, torch.transpose, torch.permute, torch.reshape,
              torch.flatten, torch.unflatten, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.unbind,
@@ -167,28 +163,11 @@ def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
         if user.op == "call_method" and isinstance(user.target, str) and user.target.endswith("_") \
                 and not user.target.endswith("__"):
             return True
-        if user.op == "call_function" and _calls_in_place(user):
+        if user.op == "call_function" and calls_in_place(user):
             return True
         if user.op == "call_module" and getattr(gm.get_submodule(user.target), "inplace", False) is True:
             return True
     return False
-
-
-def _calls_in_place(node: torch.fx.Node) -> bool:
-    """Whether a call_function writes its first argument: operator.iadd and kin, a function named with a
-    trailing underscore (torch.relu_), or one whose ``inplace`` is True, by keyword or by position (dynamo
-    keeps the user's F.relu(x, True), F.leaky_relu(x, 0.2, True))."""
-    name = getattr(node.target, "__name__", "")
-    if node.target in _INPLACE_FNS or (name.endswith("_") and not name.endswith("__")):
-        return True
-    if node.kwargs.get("inplace") is True:
-        return True
-    try:
-        params = list(inspect.signature(node.target).parameters)
-    except (TypeError, ValueError):   # a builtin without a signature: its name said it
-        return False
-    return "inplace" in params and len(node.args) > params.index("inplace") \
-        and node.args[params.index("inplace")] is True
 
 
 def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
