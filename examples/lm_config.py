@@ -81,7 +81,7 @@ class PretrainConfig:
     micro_batches: int = 1         # gradient accumulation: each process's rows of a step run in this many parts
     seq_len: int = 256
     vocab_size: int = 4096
-    lr: float = 1e-3               # peak learning rate: dense AdamW, and CoMERA's cc.param_groups(model, lr)
+    lr: float = 1e-3               # dense AdamW's peak learning rate (CoMERA's and GaLore's where theirs are None)
     comera_lr: float | None = None  # None: lr; CoMERA's cc.param_groups(model, comera_lr, core_lr, gate_lr)
     comera_core_lr: float | None = None  # None: param_groups' default, 2 x comera_lr
     comera_gate_lr: float | None = None  # None: param_groups' default, 20 x comera_lr

@@ -10,6 +10,7 @@ end-of-text token, the stream cut into fixed-length blocks, the tail dropped.
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,10 +18,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _Source
+from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _Source, invalid_note
 
 __all__ = ["DataError", "LMData", "EOT_TOKEN", "EOT_CANDIDATES", "load_lm_data", "train_bpe", "load_tokenizer",
-           "pack"]
+           "pack", "id_space", "tokenizer_file"]
 
 # The end-of-text tokens recognised in a user's tokenizer.json, first match wins.
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
@@ -40,7 +41,7 @@ class LMData:
 
     train: torch.Tensor          # (n_train_blocks, seq_len) int64
     val: torch.Tensor            # (n_val_blocks, seq_len) int64, held-out documents only
-    vocab_size: int              # the tokenizer's vocabulary size, special tokens included
+    vocab_size: int              # embedding rows: the tokenizer's largest id + 1 (its ids may have gaps)
     eot_id: int                  # the end-of-text id that follows every document
     tokenizer: Any               # a tokenizers.Tokenizer
     source: str                  # one line: where the data came from, how it was split and tokenized
@@ -76,14 +77,20 @@ def train_bpe(texts: Sequence[str], vocab_size: int, special_tokens: Sequence[st
     return tok
 
 
+def tokenizer_file(path: str | Path) -> Path:
+    """The file a --tokenizer names (a folder: its tokenizer.json), ~ expanded and, where it exists, as the file
+    system names it: ``tok``, ``./tok/tokenizer.json`` and ``~/x/tok`` give one path."""
+    p = Path(path).expanduser()
+    p = p / "tokenizer.json" if p.is_dir() else p
+    return Path(os.path.realpath(p)) if p.exists() else p
+
+
 def load_tokenizer(path: str | Path) -> tuple[Any, int]:
     """A user's tokenizer.json (HF tokenizers format; a folder holding one also works) and its end-of-text
     id: the first of EOT_CANDIDATES among its special tokens.  Truncation and padding are switched off, so
     documents encode whole."""
     tk = _tokenizers()
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "tokenizer.json"
+    p = tokenizer_file(path)
     if not p.is_file():
         raise DataError(f"--tokenizer {str(p)!r} does not exist; pass the path of a tokenizer.json (HF tokenizers "
                         f"format, as in a Hugging Face model folder), or leave --tokenizer out to train one on "
@@ -102,6 +109,15 @@ def load_tokenizer(path: str | Path) -> tuple[Any, int]:
     raise DataError(f"tokenizer {str(p)!r} has no end-of-text special token (looked for "
                     f"{', '.join(EOT_CANDIDATES)}; its special tokens: {', '.join(specials) or 'none'}); add one: "
                     f"tok.add_special_tokens([{EOT_TOKEN!r}]); tok.save(path)")
+
+
+def id_space(tokenizer: Any) -> int:
+    """The rows an embedding needs for every id `tokenizer` can give: its largest id (vocabulary and added
+    tokens) + 1.  Not get_vocab_size(), a count: a tokenizer.json whose ids have gaps (tokens removed, special
+    tokens placed high) has ids at and beyond its count."""
+    ids = list(tokenizer.get_vocab(with_added_tokens=True).values())
+    ids += list(tokenizer.get_added_tokens_decoder())
+    return max(ids, default=-1) + 1
 
 
 def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -202,8 +218,9 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
         held_texts, _, held_copies = _read_until(source.heldout, held_order, heldout_budget, seen, limit=limit)
     else:
         if source.count < 2:
-            raise DataError(f"{source.describe} holds {source.count} document(s); at least 2 are needed (one for "
-                            f"training, one held out for evaluation): point --data at more documents")
+            bad = f" ({note})" if (note := invalid_note(source)) else ""
+            raise DataError(f"{source.describe} holds {source.count} document(s){bad}; at least 2 are needed (one "
+                            f"for training, one held out for evaluation): point --data at more documents")
         order = list(range(source.count))
         rng.shuffle(order)
         n_held = min(source.count - 1, max(1, round(val_fraction * source.count)))
@@ -214,13 +231,14 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
     copies = held_copies + train_copies
     if not train_texts or not held_texts:
         which = "training" if not train_texts else "held-out"
+        bad = f"; {note}" if (note := invalid_note(source)) else ""
         raise DataError(f"{source.describe}: no readable {which} text (its documents are empty"
-                        f"{' or copies of ones already taken' if copies else ''}); point --data at more, "
-                        f"non-empty documents")
+                        f"{' or copies of ones already taken' if copies else ''}{bad}); point --data at more, "
+                        f"non-empty UTF-8 documents")
 
     if user_tok is not None:
         tok, eot_id = user_tok
-        tok_note = f"tokenizer {str(tokenizer)!r}"
+        tok_note = f"tokenizer {str(tokenizer_file(tokenizer))!r}"
     else:
         tok = train_bpe(train_texts, vocab_size)
         eot_id = tok.token_to_id(EOT_TOKEN)
@@ -239,9 +257,10 @@ def load_lm_data(data: str | Path | None = None, *, seq_len: int = 256, vocab_si
                             f"{smaller}{fix}")
 
     n_bytes = sum(len(t.encode("utf-8")) for t in train_texts)
-    skipped = f"{copies} copies of other documents skipped, " if copies else ""
+    notes = (invalid_note(source), f"{copies} copies of other documents skipped" if copies else "")
+    skipped = "".join(f"{note}, " for note in notes if note)
     line = (f"{source.describe}: {len(train_texts)} training / {len(held_texts)} held-out documents ({skipped}"
             f"{n_bytes / 1e6:.3g} MB training text, {train.numel()} / {val.numel()} tokens in blocks of {seq_len}); "
             f"{tok_note}")
-    return LMData(train=train, val=val, vocab_size=tok.get_vocab_size(), eot_id=eot_id, tokenizer=tok,
+    return LMData(train=train, val=val, vocab_size=id_space(tok), eot_id=eot_id, tokenizer=tok,
                   source=line, documents=(len(train_texts), len(held_texts)))

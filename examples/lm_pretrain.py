@@ -17,12 +17,13 @@ Run it: ``comera-compile pretrain`` (options: ``comera-compile pretrain --help``
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ from comera_compile.examples.run_store import RunStore, fingerprint
 
 __all__ = ["METHODS", "SHAPES", "PRESETS", "PretrainConfig", "LlamaShape", "DemoError", "preset", "lr_factor",
            "Schedule", "build_model", "causal_lm_loss", "evaluate", "batches", "train_one", "run", "decoder_params",
-           "total_params", "galore_optimizer"]
+           "total_params", "galore_optimizer", "own_compile_cache", "warm_up_compiler"]
 
 # --------------------------------------------------------------------------------------------------------
 # The whole run
@@ -49,6 +50,37 @@ def default_out_dir() -> Path:
 # Config fields that do not change what a method's run is (where it is written, what else trains, how it is
 # shown): --resume keeps a saved run whose other fields, data, device, threads and torch match.
 _NOT_FINGERPRINTED = ("out", "methods", "progress", "resume")
+
+
+@contextlib.contextmanager
+def own_compile_cache() -> Iterator[None]:
+    """Inside: dynamo's and Inductor's caches empty, Inductor's on-disk cache (FX graphs, AOTAutograd entries,
+    kernels) a new temporary folder, removed after.  A method trained inside compiles every graph itself,
+    however much of it (GaLore's model is dense's) an earlier method or an earlier run compiled."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache   # the older name, kept as an alias
+    torch._dynamo.reset()
+    try:
+        with fresh():
+            yield
+    finally:
+        torch._dynamo.reset()
+
+
+def warm_up_compiler(device: torch.device) -> float:
+    """Compile and run a small function's forward and backward with Inductor on `device`, in a cache of its
+    own, so that the process's one-time costs (importing Inductor and AOTAutograd, the C++ or Triton
+    toolchain's checks: about 20 s on a 2-core CPU) fall on no method's budget.  Returns the seconds taken."""
+    t0 = time.perf_counter()
+    with own_compile_cache():
+        x = torch.randn(8, 16, device=device)
+        w = torch.randn(16, 16, device=device, requires_grad=True)
+        fn = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w).pow(2).mean(), backend="inductor")
+        fn(x, w).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _model_for(method: str, cfg: PretrainConfig, vocab_size: int, device: torch.device) -> nn.Module:
@@ -76,7 +108,7 @@ def run(cfg: PretrainConfig, log: Callable[[str], None] = print) -> dict[str, An
 
 def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[str, Any]:
     from comera_compile.examples import demo_report, lm_report
-    from comera_compile.examples.lm_data import load_lm_data
+    from comera_compile.examples.lm_data import load_lm_data, tokenizer_file
 
     t_start = time.perf_counter()
     out = Path(cfg.out) if cfg.out is not None else default_out_dir()
@@ -118,24 +150,30 @@ def _run(cfg: PretrainConfig, world: World, log: Callable[[str], None]) -> dict[
     log(f"dense: {dense_params['total']:,} parameters, {dense_params['decoder']:,} in the decoder layers")
     env = demo_report.environment(world.size, device)
     # each run is also evaluated at the first method's final token count: a run kept must have been too
-    store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, paths=("data", "tokenizer"),
+    tokenizer = str(tokenizer_file(cfg.tokenizer)) if cfg.tokenizer is not None else None   # the file, one spelling
+    store = RunStore(out, methods, fingerprint(cfg, _NOT_FINGERPRINTED, env, paths=("data",), tokenizer=tokenizer,
                                                data_source=data.source, vocab_size=data.vocab_size,
                                                evaluated_beside=methods[0]),
                      command="pretrain", resume=cfg.resume, main=world.main, log=log)
     with store.training(), arithmetic(cfg.arithmetic(), device):
+        if any(m not in store.runs for m in methods):
+            warm_s = warm_up_compiler(device)
+            log(f"compiler initialised in {warm_s:.1f} s, outside every budget (its one-time imports and checks); "
+                f"each method then compiles in a fresh Inductor cache")
         for method in methods:
             if method in store.runs:
                 continue
-            torch._dynamo.reset()  # each method compiles its own graphs, inside its own budget
-            model = _model_for(method, cfg, data.vocab_size, device)
-            if method == "comera":
-                log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at rank "
-                    f"{cfg.rank}")
-            first = store.runs.get(methods[0])
-            eval_tokens = (first["tokens"],) if first is not None else ()
-            store.save(method, train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens, world=world,
-                                         log=log))
-            del model
+            # each method compiles its own graphs, inside its own budget: none reused from the method before it
+            with own_compile_cache():
+                model = _model_for(method, cfg, data.vocab_size, device)
+                if method == "comera":
+                    log(f"CoMERA: the decoder layers' {decoder_params(model):,} parameters with TT linears at rank "
+                        f"{cfg.rank}")
+                first = store.runs.get(methods[0])
+                eval_tokens = (first["tokens"],) if first is not None else ()
+                store.save(method, train_one(method, model, cfg, data.train, val, eval_tokens=eval_tokens,
+                                             world=world, log=log))
+                del model
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
     config["out"] = str(out)
     config["warmup_steps"] = cfg.warmup()

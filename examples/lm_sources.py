@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import codecs
 import json
-from dataclasses import dataclass
+import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -20,6 +22,7 @@ _HELDOUT_SPLITS = ("validation", "valid", "val", "test")
 # dataset_infos.json); larger ones are not checked (loading them would cost what the budget is there to save).
 _METADATA_MAX_BYTES = 16 << 20
 _ICONV = "to UTF-8, e.g. iconv -f latin1 -t utf-8 OLD > NEW"
+_NOT_UTF8 = re.compile("[\ud800-\udfff]")
 
 
 class DataError(DemoError):
@@ -39,29 +42,53 @@ class _Source:
     count: int
     fetch: Callable[[list[int], int], Iterable[Any]]  # (indices, at most this many bytes of each document)
     heldout: _Source | None = None
+    invalid: _Invalid = field(default_factory=lambda: _Invalid("document(s)"))   # skipped: not UTF-8
 
 
-def _list_source(texts: list[str], describe: str) -> _Source:
-    return _Source(describe, len(texts), lambda idx, limit: [texts[i] for i in idx])
+@dataclass
+class _Invalid:
+    """`count` `unit` skipped as read for bytes not UTF-8: lone surrogates in text read as "surrogateescape"."""
+
+    unit: str
+    count: int = 0
+
+    def keep(self, texts: Iterable[str | None]) -> Iterator[str | None]:
+        """`texts`, each holding invalid UTF-8 counted and given as None (skipped, as a file unread is)."""
+        for t in texts:
+            self.count += (bad := t is not None and _NOT_UTF8.search(t) is not None)
+            yield None if bad else t
+
+
+def invalid_note(source: _Source) -> str:
+    """The source line's note of what reading `source` (and its held-out split) skipped as not UTF-8."""
+    n = source.invalid.count + (source.heldout.invalid.count if source.heldout is not None else 0)
+    return f"{n} {source.invalid.unit} with invalid UTF-8 skipped" if n else ""
+
+
+def _list_source(texts: list[str], describe: str, invalid: _Invalid | None = None) -> _Source:
+    return _Source(describe, len(texts), lambda idx, limit: [texts[i] for i in idx],
+                   invalid=invalid or _Invalid("document(s)"))
 
 
 def _read_head(path: Path, limit: int) -> str:
-    """A file's first `limit` bytes as text, as read_text gives them (invalid UTF-8 replaced, universal
-    newlines), less a character cut at the end: a huge file costs no more than the budget."""
+    """A file's first `limit` bytes as text, as read_text gives them (universal newlines; bytes that are not
+    UTF-8 as lone surrogates), less a character cut at the end: a huge file costs no more than the budget."""
     with open(path, "rb") as f:
         raw = f.read(limit)
-    text = codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=len(raw) < limit)
+    text = codecs.getincrementaldecoder("utf-8")("surrogateescape").decode(raw, final=len(raw) < limit)
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _files_source(files: list[Path], describe: str) -> _Source:
-    def fetch(idx: list[int], limit: int) -> Iterator[str | None]:
+    """One document a file: None for one unreadable, or with invalid UTF-8 in what is read of it (counted)."""
+    def heads(idx: list[int], limit: int) -> Iterator[str | None]:
         for i in idx:  # lazily: a reader that stops part-way through idx reads no further file
             try:
                 yield _read_head(files[i], limit)
             except OSError:
                 yield None
-    return _Source(describe, len(files), fetch)
+    invalid = _Invalid("file(s)")
+    return _Source(describe, len(files), lambda idx, limit: invalid.keep(heads(idx, limit)), invalid=invalid)
 
 
 def _import_pyarrow(what: str) -> Any:
@@ -97,9 +124,9 @@ def _check_text(value: Any, column: str, where: str) -> str | None:
 
 
 def _json_texts(path: Path, column: str) -> Iterator[str | None]:
-    """The `column` field of each record of a JSON Lines file (or of a .json file holding one array of
-    records); every record must have the field (null skips one).  A leading byte-order mark is allowed."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
+    """The `column` field of each record (each must have it; null skips one) of a JSON Lines file, or of a .json
+    file holding one array of records; a leading byte-order mark allowed, bytes not UTF-8 as lone surrogates."""
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         head = f.read(1 << 16).lstrip()
         f.seek(0)
         if head.startswith("["):
@@ -170,20 +197,20 @@ def _has_marker(path: Path, limit: int) -> bool:
 
 
 def _text_file_documents(path: Path, limit: int) -> Iterator[str]:
-    """A single text file's documents, read line by line as they are asked for (none longer than `limit`
-    bytes): the pieces between end-of-text markers if its first `limit` bytes have one (a dump of a
-    pretraining corpus), else its paragraphs (separated by blank lines)."""
+    """A single text file's documents, read line by line as asked for (none over `limit` bytes; bytes not UTF-8
+    as lone surrogates): the pieces between end-of-text markers if its first `limit` bytes have one (a dump of
+    a pretraining corpus), else its paragraphs (separated by blank lines)."""
     marked = _has_marker(path, limit)
     doc: list[str] = []
     size = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         while line := f.readline(min(1 << 20, limit)):
             if marked:
                 doc.append(line)
                 if EOT_TOKEN in "".join(doc[-2:]):  # a marker, possibly cut between two 1 MiB reads
                     *done, rest = "".join(doc).split(EOT_TOKEN)
                     yield from done
-                    doc, size = [rest], len(rest.encode("utf-8"))
+                    doc, size = [rest], len(rest.encode("utf-8", "surrogateescape"))
                     continue
             else:
                 for piece in line.splitlines(keepends=True):
@@ -192,7 +219,7 @@ def _text_file_documents(path: Path, limit: int) -> Iterator[str]:
                     elif doc:
                         yield "".join(doc)
                         doc, size = [], 0
-            size += len(line.encode("utf-8"))
+            size += len(line.encode("utf-8", "surrogateescape"))
             if size >= limit:  # one document as large as the budget: its head is all that can be used
                 break
     if doc:
@@ -214,11 +241,14 @@ def _collect(streams: Iterable[Iterator[str | None]], cap: int) -> tuple[list[st
     return texts, False
 
 
-def _streamed_source(readers: list[Callable[[], Iterator[str | None]]], describe: str, cap: int) -> _Source:
-    texts, capped = _collect((r() for r in readers), cap)
+def _streamed_source(readers: list[Callable[[], Iterator[str | None]]], describe: str, cap: int,
+                     unit: str = "document(s)") -> _Source:
+    """The readers' documents up to `cap` bytes, read now; those with invalid UTF-8 skipped, counted as `unit`."""
+    invalid = _Invalid(unit)
+    texts, capped = _collect((invalid.keep(r()) for r in readers), cap)
     if capped:
         describe += f" (its first {len(texts)} documents, {cap / 1e6:.3g} MB)"
-    return _list_source(texts, describe)
+    return _list_source(texts, describe, invalid)
 
 
 def _is_saved_dataset(root: Path) -> bool:
@@ -325,7 +355,7 @@ def _folder_source(root: Path, column: str, cap: int) -> _Source:
         notes += [f"{len(meta)} .json metadata file(s) (a single JSON object each) skipped"] if meta else []
         readers = [(lambda p=p: _parquet_texts(p, column)) if p.suffix == ".parquet"
                    else (lambda p=p: _json_texts(p, column)) for p in structured]
-        return _streamed_source(readers, f"{suffixes} files under {str(root)!r} ({'; '.join(notes)})", cap)
+        return _streamed_source(readers, f"{suffixes} files under {str(root)!r} ({'; '.join(notes)})", cap, "record(s)")
     texts = sorted(others + [p for p in structured if p.suffix != ".parquet" and _is_text(p)])
     notes = [skipped] if skipped else []
     if structured:
@@ -344,7 +374,8 @@ def _folder_source(root: Path, column: str, cap: int) -> _Source:
 
 def _file_source(path: Path, column: str, cap: int) -> _Source:
     if path.name.endswith(_JSON_SUFFIXES):
-        return _streamed_source([lambda: _json_texts(path, column)], f"{str(path)!r} (column {column!r})", cap)
+        return _streamed_source([lambda: _json_texts(path, column)], f"{str(path)!r} (column {column!r})", cap,
+                                "record(s)")
     if path.suffix == ".parquet":
         return _streamed_source([lambda: _parquet_texts(path, column)], f"{str(path)!r} (column {column!r})", cap)
     kind = _text_kind(path)
@@ -365,4 +396,5 @@ def _open_source(data: str | Path | None, column: str, cap: int) -> _Source:
         raise DataError(f"--data {str(path)!r} does not exist; pass a folder or file of documents (text, "
                         f".jsonl, .parquet, or a saved dataset), or leave --data out to use the Python standard "
                         f"library")
+    path = Path(os.path.realpath(path))   # named one way whatever the spelling: the source line is in --resume's check
     return _folder_source(path, column, cap) if path.is_dir() else _file_source(path, column, cap)

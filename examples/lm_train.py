@@ -39,7 +39,7 @@ def lr_factor(step: int, progress: float, warmup_steps: int, warmup_end: float, 
 
 class Schedule:
     """Sets every param group's lr to its peak (the group's lr when the optimizer was built) times
-    lr_factor, before each step; groups keep their ratios (CoMERA's cores 2x, gates 20x)."""
+    lr_factor, before each step; groups keep their ratios (CoMERA's cores, gates and the rest)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, floor: float,
                  budget_s: float | None, steps: int | None) -> None:
@@ -306,8 +306,10 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
             history[key].append(value)
         if not skipped and not math.isfinite(step_loss):
             bar.close()
-            raise DemoError(f"{method}: the training loss is {step_loss} at step {step}; lower the learning rate "
-                            f"(--lr, --comera-lr, --galore-lr)")
+            flags = {"dense": "--lr", "comera": "--comera-lr, --comera-core-lr, --comera-gate-lr",
+                     "galore": "--galore-lr"}[method]
+            raise DemoError(f"{method}: the training loss is {step_loss} at step {step}; lower its learning rate "
+                            f"({flags})")
         bar.set_postfix(loss=f"{step_loss:.3f}", step=f"{dt * 1e3:.0f}ms", refresh=False)
         bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
         due = step in step_marks

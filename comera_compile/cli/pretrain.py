@@ -31,7 +31,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from comera_compile.examples.demo_dist import PRECISIONS
-    from comera_compile.examples.lm_pretrain import METHODS, PRESETS, SHAPES
+    from comera_compile.examples.lm_pretrain import METHODS, PRESETS, SHAPES, preset
 
     p = sub.add_parser(
         "pretrain", help="Llama-style causal-LM pretraining: dense vs CoMERA vs GaLore on equal wall-clock",
@@ -66,16 +66,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                      "forward and backward passes, then one optimizer step: the papers' batch of "
                                      "512 at the memory of --batch / N (default 1)"),
             ("--seq-len", int, "tokens per sequence (default 256)"),
-            ("--vocab-size", int, "BPE vocabulary trained on the data (default 4096)"),
-            ("--lr", float, "peak learning rate of dense AdamW, and of CoMERA's cc.param_groups(model, lr) "
-                            "(TT cores 2x, rank gates 20x) and GaLore unless given below (default 1e-3)"),
-            ("--comera-lr", float, "CoMERA's peak learning rate, cc.param_groups(model, lr) (default: the preset's, "
-                                   "else --lr)"),
-            ("--comera-core-lr", float, "CoMERA's TT cores' peak learning rate (default: the preset's, else "
-                                        "param_groups' 2 x --comera-lr)"),
-            ("--comera-gate-lr", float, "CoMERA's rank gates' peak learning rate (default: the preset's, else "
-                                        "param_groups' 20 x --comera-lr)"),
-            ("--galore-lr", float, "GaLore's peak learning rate (default: the preset's)"),
+            ("--vocab-size", int, "BPE vocabulary trained on the data (default 4096)")))
+    # Each method's peak rates are its own, tuned apart (GaLore's is 10x dense's): --lr is dense's alone, and the
+    # help shows every preset's values (add_config_options: "default" is tiny's, then the other presets').
+    add_config_options(p, (
+            ("--lr", float, "dense AdamW's peak learning rate; CoMERA and GaLore keep their own (the options "
+                            "below), which every preset sets"),
+            ("--comera-lr", float, "CoMERA's peak learning rate of the parameters outside TT layers (embeddings, "
+                                   "head, norms): cc.param_groups(model, lr)"),
+            ("--comera-core-lr", float, "CoMERA's TT cores' peak learning rate, param_groups' core_lr"),
+            ("--comera-gate-lr", float, "CoMERA's rank gates' peak learning rate, param_groups' gate_lr"),
+            ("--galore-lr", float, "GaLore's peak learning rate")), defaults=preset("tiny"), presets=PRESETS)
+    add_config_options(p, (
             ("--warmup-steps", int, "linear warm-up steps before the cosine decay (default: the preset's; a tenth "
                                     "of --steps with --steps alone)"),
             ("--clip", float, "gradient-norm clipping (default 1.0)"),
