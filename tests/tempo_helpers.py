@@ -1,10 +1,11 @@
-"""Helpers shared by the Tempo tests (test_tempo_ops, test_tempo_passes): tolerances and references
+"""Helpers shared by the Tempo tests (test_tempo_ops, test_tempo_passes, test_tempo_fixes): tolerances and references
 computed with the original torch ops."""
 
 from __future__ import annotations
 
 import torch
 from hypothesis import HealthCheck
+from torch import nn
 
 from comera_compile.ops.bit_dropout import dropout_mask
 
@@ -33,3 +34,17 @@ def same_mask_dropout(p: float, seed: int):
         return x * (mask.to(x.dtype) * (1.0 / (1.0 - p)))
 
     return drop
+
+
+class MaskReplayDropout(nn.Module):
+    """Dropout applying the masks the Tempo ops draw from the default generator, in call order (a reference
+    for a model whose dropouts the Tempo ops replaced, run with the same seed)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        return x * (dropout_mask(x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p)))

@@ -20,27 +20,13 @@ import comera_compile.ops.buffers as buffers
 import comera_compile.ops.gelu as gelu_module
 from comera_compile.memory import saved_bytes
 from comera_compile.ops.attention import softmax_dropout_matmul
-from comera_compile.ops.bit_dropout import dropout_mask
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import TempoDropout, TempoGELU, TempoLayerNorm
 from comera_compile.passes.module.tempo import tempo
-from tempo_helpers import close, same_mask_dropout
+from tempo_helpers import MaskReplayDropout, close, same_mask_dropout
 
 pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
-
-
-class MaskReplayDropout(nn.Module):
-    """Dropout applying the masks the Tempo ops draw from the default generator, in call order."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        if not self.training:
-            return x
-        return x * (dropout_mask(x.shape, self.p).to(x.dtype) * (1.0 / (1.0 - self.p)))
 
 
 def _replay_dropouts(model: nn.Module) -> nn.Module:

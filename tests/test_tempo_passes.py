@@ -13,12 +13,11 @@ from torch import nn
 
 from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes, saved_bytes
-from comera_compile.ops.bit_dropout import dropout_mask
 from comera_compile.ops.buffers import boxing_supported
 from comera_compile.ops.tempo_modules import TempoDropout, TempoGELU, TempoLayerNorm
 from comera_compile.passes.fx.tempo import tempo_graph
 from comera_compile.passes.module.tempo import tempo, tempo_modules
-from tempo_helpers import close, grads_of
+from tempo_helpers import MaskReplayDropout, close, grads_of
 
 pytestmark = pytest.mark.usefixtures("single_thread")   # small tensors (see conftest.single_thread)
 
@@ -32,20 +31,6 @@ SMALL = dict(layers=1, d_model=32, heads=4, ffn=64, vocab_size=50, max_positions
 def _layer(seed: int = 0, dtype=torch.float64) -> nn.Module:
     torch.manual_seed(seed)
     return six_encoder.build(**SMALL).layers[0].to(dtype)
-
-
-class MaskReplayDropout(nn.Module):
-    """Dropout applying the masks the Tempo functions draw from the default generator, in call order."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x):
-        if not self.training:
-            return x
-        mask = dropout_mask(x.shape, self.p)
-        return x * (mask.to(x.dtype) * (1.0 / (1.0 - self.p)))
 
 
 def test_tempo_graph_on_an_encoder_layer_matches_autograd_with_the_same_masks():
