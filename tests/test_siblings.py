@@ -98,9 +98,9 @@ def test_siblings_share_their_gemms_and_compute_the_dense_products_and_eager_gra
 
     compiled, seen = _rewritten(model)
     outs = compiled(x)
-    # the first products share one GEMM; layers of one width may share their core products too
-    assert 1 <= seen["result"].count <= 1 + len(widths) - len(set(widths))
-    assert seen["after"] < seen["before"]
+    # the first products share one GEMM; layers whose plans multiply cores of one shape (one width, or the
+    # input side's cores of any width where the plan starts there) may share those products too
+    assert seen["result"].count >= 1 and seen["after"] < seen["before"]
     eps = 1e-11 if dtype == torch.float64 else 1e-5
 
     def close(got, want):   # to the arithmetic's precision, relative to the tensor's scale
