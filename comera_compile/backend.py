@@ -116,7 +116,8 @@ def _devices(example_inputs: Sequence[Any]) -> set[str]:
 def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
     """The Inductor config patches the backend passes for inputs on these device types.
 
-    CUDA Graphs go on for CUDA inputs unless options say otherwise (CoMERA replays whole steps).  The
+    CUDA Graphs go on for CUDA inputs unless options or a "-no-cudagraphs" mode say otherwise (CoMERA
+    replays whole steps).  The
     torch.compile mode's own settings come first, options' 'inductor' patches next; with fast_dropout the
     mask-recompute joint-graph pass runs after any joint_custom_pre_pass already set (chained into one pass,
     which every torch release takes).  Functions of ours and torch's that AOTAutograd's cache would refuse
@@ -129,7 +130,9 @@ def inductor_config(devices: set[str], mode: str | None, options: dict[str, Any]
         from torch._inductor import list_mode_options
 
         patches.update(list_mode_options(mode))
-    patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and not opts["profile"] and "cuda" in devices)
+    no_graphs = mode is not None and mode.endswith("no-cudagraphs")   # as torch's own modes of that name say
+    patches["triton.cudagraphs"] = bool(opts["cudagraphs"] and not opts["profile"] and not no_graphs
+                                        and "cuda" in devices)
     patches.update(opts["inductor"])
     if opts["fast_dropout"]:
         from comera_compile.passes.joint.chain import chain_joint_passes

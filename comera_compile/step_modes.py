@@ -56,7 +56,8 @@ def choose_cuda_graphs(cuda_graphs: str | None, on_cuda: bool, optimizer: torch.
 
 def _mode_as_options(mode: str, options: dict[str, Any]) -> dict[str, Any]:
     """Backend "comera"'s options with a torch.compile mode's Inductor settings folded in, below the options'
-    own (as the backend ranks a mode it is handed); "reduce-overhead" is its option cudagraphs."""
+    own (as the backend ranks a mode it is handed); "reduce-overhead" is its option cudagraphs, a
+    "-no-cudagraphs" mode cudagraphs=False."""
     from torch._inductor import list_mode_options
 
     settings = {k: v for k, v in list_mode_options(mode).items() if k != "triton.cudagraphs" and k not in options}
@@ -64,6 +65,8 @@ def _mode_as_options(mode: str, options: dict[str, Any]) -> dict[str, Any]:
     out = {**options, "inductor": {**settings, **given}} if settings else dict(options)
     if mode == "reduce-overhead":
         out.setdefault("cudagraphs", True)
+    elif mode.endswith("no-cudagraphs"):
+        out.setdefault("cudagraphs", False)
     return out
 
 

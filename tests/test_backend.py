@@ -184,6 +184,11 @@ def test_cuda_path_decisions_on_cpu():
     assert inductor_config({"cpu"}, None, {"inductor": {"cpp_wrapper": True}})["cpp_wrapper"] is True
     patches = inductor_config({"cuda"}, "max-autotune-no-cudagraphs", {"inductor": {"freezing": True}})
     assert patches["max_autotune"] is True and patches["freezing"] is True
+    assert patches["triton.cudagraphs"] is False   # the mode says so (it turned them on for CUDA inputs)
+    assert inductor_config({"cuda"}, "max-autotune", None)["triton.cudagraphs"] is True
+    from comera_compile.step_modes import compile_kwargs
+    folded = compile_kwargs("comera", "max-autotune-no-cudagraphs", {"contraction": True})["options"]
+    assert folded["cudagraphs"] is False and folded["inductor"]["max_autotune"] is True
     assert set(OPTIONS) >= {"cudagraphs", "contraction", "inductor"}
     with pytest.raises(TypeError):
         inductor_config({"cpu"}, None, {"cudagraphs": "yes"})
