@@ -10,6 +10,8 @@ from typing import Any
 
 from comera_compile.examples.code_data import DemoError
 from comera_compile.examples.demo_dist import placement_checks, resolve_precision
+from comera_compile.examples.lm_data import missing_tokenizer
+from comera_compile.examples.lm_sources import missing_data
 
 METHODS = ("dense", "comera", "galore")
 
@@ -169,6 +171,7 @@ class PretrainConfig:
             (self.eval_blocks is None or self.eval_blocks >= 1, f"--eval-blocks must be at least 1, got {self.eval_blocks}"),
             (self.max_bytes >= 1000, f"--max-bytes must be at least 1000, got {self.max_bytes}"),
             *placement_checks(self.device, self.batch, processes, self.precision, self.micro_batches),
+            *[(message is None, message) for message in (missing_data(self.data), missing_tokenizer(self.tokenizer))],
         ]
         for ok, message in checks:
             if not ok:

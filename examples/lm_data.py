@@ -21,7 +21,7 @@ import torch
 from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _Source, invalid_note
 
 __all__ = ["DataError", "LMData", "EOT_TOKEN", "EOT_CANDIDATES", "load_lm_data", "train_bpe", "load_tokenizer",
-           "pack", "id_space", "tokenizer_file"]
+           "pack", "id_space", "tokenizer_file", "missing_tokenizer"]
 
 # The end-of-text tokens recognised in a user's tokenizer.json, first match wins.
 EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]", "<|end_of_text|>")
@@ -85,16 +85,24 @@ def tokenizer_file(path: str | Path) -> Path:
     return Path(os.path.realpath(p)) if p.exists() else p
 
 
+def missing_tokenizer(path: str | Path | None) -> str | None:
+    """What to tell the user when --tokenizer names no file (None: it does, or was not given)."""
+    if path is None or tokenizer_file(path).is_file():
+        return None
+    return (f"--tokenizer {str(tokenizer_file(path))!r} does not exist; pass the path of a tokenizer.json (HF "
+            f"tokenizers format, as in a Hugging Face model folder), or leave --tokenizer out to train one on the "
+            f"data")
+
+
 def load_tokenizer(path: str | Path) -> tuple[Any, int]:
     """A user's tokenizer.json (HF tokenizers format; a folder holding one also works) and its end-of-text
     id: the first of EOT_CANDIDATES among its special tokens.  Truncation and padding are switched off, so
     documents encode whole."""
     tk = _tokenizers()
+    missing = missing_tokenizer(path)
+    if missing is not None:
+        raise DataError(missing)
     p = tokenizer_file(path)
-    if not p.is_file():
-        raise DataError(f"--tokenizer {str(p)!r} does not exist; pass the path of a tokenizer.json (HF tokenizers "
-                        f"format, as in a Hugging Face model folder), or leave --tokenizer out to train one on "
-                        f"the data")
     try:
         tok = tk.Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises plain Exception for a file it cannot parse

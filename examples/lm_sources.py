@@ -30,9 +30,6 @@ class DataError(DemoError):
     the message says what to do."""
 
 
-# --------------------------------------------------------------------------------------------------------
-# Documents: every format becomes a _Source (a count and a fetch by index)
-# --------------------------------------------------------------------------------------------------------
 @dataclass
 class _Source:
     """Documents addressable by index, so a seeded split can pick them before any text is read; `heldout`
@@ -306,11 +303,8 @@ def _saved_dataset_source(root: Path, column: str, cap: int) -> _Source:
 
 
 def _pick_splits(names: list[str], where: str) -> tuple[str, str | None]:
-    if "train" in names:
-        train = "train"
-    elif len(names) == 1:
-        train = names[0]
-    else:
+    train = "train" if "train" in names else names[0] if len(names) == 1 else None
+    if train is None:
         raise DataError(f"{where} is a DatasetDict without a 'train' split (its splits: {', '.join(names)}); "
                         f"save the training documents as its 'train' split")
     held = next((s for s in _HELDOUT_SPLITS if s in names and s != train), None)
@@ -387,14 +381,20 @@ def _file_source(path: Path, column: str, cap: int) -> _Source:
     return _streamed_source([lambda: _text_file_documents(path, cap)], f"{str(path)!r} ({how})", cap)
 
 
+def missing_data(data: str | Path | None) -> str | None:
+    """What to tell the user when --data names nothing (None: it exists, or was not given)."""
+    if data is None or Path(data).expanduser().exists():
+        return None
+    return (f"--data {str(Path(data).expanduser())!r} does not exist; pass a folder or file of documents (text, "
+            f".jsonl, .parquet, or a saved dataset), or leave --data out to use the Python standard library")
+
+
 def _open_source(data: str | Path | None, column: str, cap: int) -> _Source:
     if data is None:
         root = stdlib_dir()
         return _files_source(list_files(root, (".py",)), f"the Python standard library's *.py files ({root})")
+    if (missing := missing_data(data)) is not None:
+        raise DataError(missing)
     path = Path(data).expanduser()
-    if not path.exists():
-        raise DataError(f"--data {str(path)!r} does not exist; pass a folder or file of documents (text, "
-                        f".jsonl, .parquet, or a saved dataset), or leave --data out to use the Python standard "
-                        f"library")
     path = Path(os.path.realpath(path))   # named one way whatever the spelling: the source line is in --resume's check
     return _folder_source(path, column, cap) if path.is_dir() else _file_source(path, column, cap)

@@ -178,6 +178,9 @@ def test_presets_have_the_papers_llama_shapes():
     (["--threads", "0"], "--threads must be at least 1"),
     (["--vocab-size", "100"], "--vocab-size must be at least 257"),
     (["--nproc", "3", "--batch", "4"], "does not split evenly over 3 processes"),
+    # checked before torchrun starts, not once in every process
+    (["--nproc", "2", "--data", "/nonexistent/comera-docs"], "--data '/nonexistent/comera-docs' does not exist"),
+    (["--nproc", "2", "--tokenizer", "/nonexistent/tok.json"], "--tokenizer '/nonexistent/tok.json' does not exist"),
     (["--batch", "4", "--micro-batches", "3"], "leaves micro-batches of unequal size; give a --batch that is a "
                                                 "multiple of 3"),
     (["--micro-batches", "0"], "--micro-batches must be at least 1"),

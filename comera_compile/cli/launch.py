@@ -66,7 +66,7 @@ def launch(nproc: int, argv: list[str], device: str, command: str) -> int:
             skip = True
         elif not a.startswith("--nproc="):
             rest.append(a)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+    cmd = [sys.executable, "-m", "comera_compile.cli.torchrun", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "comera_compile", *rest]
     print(f"comera-compile {command}: " + " ".join(["torchrun", *cmd[3:]]), flush=True)
     return subprocess.call(cmd)
