@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from comera_compile.ops.bits import bit_slice, pack_into
-from comera_compile.ops.buffers import (FLOATS, Scratch, boxed_variant, chunks, forward_chunk, may_box,
+from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, boxed_variant, chunks, forward_chunk, may_box,
                                          new_buffer_backward)
 
 __all__ = ["dropout", "dropout_mask", "dropout_into", "dropout_backward_into", "check_p"]
@@ -131,9 +131,10 @@ _DropoutBoxed = boxed_variant(_Dropout, _Dropout._backward)
 
 def dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, *,
             generator: torch.Generator | None = None) -> torch.Tensor:
-    """F.dropout that keeps its mask as bits for backward (32x less than a float32 mask)."""
+    """F.dropout that keeps its mask as bits for backward (32x less than a float32 mask, 8x less than a byte
+    mask); float32, float64, bfloat16 and float16 (torch's op at other dtypes)."""
     p = check_p(p)
-    if not training or p == 0.0 or p == 1.0 or x.dtype not in FLOATS:
+    if not training or p == 0.0 or p == 1.0 or x.dtype not in FLOATS + HALF_FLOATS:
         return F.dropout(x, p, training)
     if not (torch.is_grad_enabled() and x.requires_grad):
         x = x.contiguous()

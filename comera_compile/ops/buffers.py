@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["FLOATS", "HALF_FLOATS", "TempoDtypeWarning", "dtype_fallback", "exporting", "plain_ops",
+__all__ = ["FLOATS", "HALF_FLOATS", "TempoDtypeWarning", "dtype_fallback", "exporting", "plain_ops", "autocast_dtype",
            "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
            "new_buffer_backward", "boxed_variant", "first_order"]
 
@@ -60,6 +60,24 @@ def plain_ops(*tensors: torch.Tensor | None) -> bool:
     one), or torch.export is tracing (an exported program has no use for the saved-tensor tricks, and their
     data-dependent shapes cannot be exported)."""
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or exporting()
+
+
+_AUTOCAST_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"softmax": lambda t: torch.softmax(t, -1)}
+_AUTOCAST_DTYPES: dict[tuple[str, str, torch.dtype, torch.dtype], torch.dtype] = {}
+
+
+def autocast_dtype(op: str, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast runs `op` (one of _AUTOCAST_OPS) at for input `x`, or None where autocast is off for
+    x's device.  Autocast's lists differ by device and release (CUDA runs softmax at float32; the CPU at
+    bfloat16 for bfloat16 input), so the answer is read from torch once per setting, on a 1-element tensor."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    key = (op, kind, torch.get_autocast_dtype(kind), x.dtype)
+    if key not in _AUTOCAST_DTYPES:
+        with torch.no_grad():
+            _AUTOCAST_DTYPES[key] = _AUTOCAST_OPS[op](torch.ones(1, 1, dtype=x.dtype, device=x.device)).dtype
+    return _AUTOCAST_DTYPES[key]
 
 
 def chunks(n: int, size: int = _CHUNK) -> Iterator[tuple[int, int]]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout
-from comera_compile.ops.buffers import FLOATS, dtype_fallback, exporting, plain_ops
+from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, exporting, plain_ops
 from comera_compile.ops.gelu import gelu, gelu_dropout
 from comera_compile.ops.layer_norm import layer_norm
 
@@ -21,10 +21,11 @@ __all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "T
 
 def tempo_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
     """bit_dropout.dropout (the mask as bits), or torch's F.dropout under torch.export (whose mask draw reads a
-    seed out of a tensor) and, with a warning (once), at dtypes other than float32 / float64."""
+    seed out of a tensor) and, with a warning (once), at dtypes other than float32, float64, bfloat16, float16."""
     if exporting():
         return F.dropout(x, p, training)
-    if training and 0.0 < p < 1.0 and x.dtype not in FLOATS and x.is_floating_point() and not plain_ops(x):
+    if training and 0.0 < p < 1.0 and x.dtype not in FLOATS + HALF_FLOATS and x.is_floating_point() \
+            and not plain_ops(x):
         dtype_fallback("dropout", x.dtype)
     return dropout(x, p, training)
 
