@@ -19,6 +19,8 @@ import torch
 from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils import _pytree as pytree
 
+from comera_compile.graphs import capturing
+
 __all__ = ["pack", "unpack", "named", "split_batch", "label_counts", "weigh", "averaging_processes", "averaging_group",
            "tokens_everywhere", "gradient_sync_off", "own_gradients", "WEIGHTS", "resolve_weights", "token_counts",
            "accumulate", "check_row_weights"]
@@ -78,6 +80,8 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
     parts = split_batch(flat, micro_batches, lambda i: named(flat, i)) if micro_batches > 1 else [(flat, 1.0)]
     counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], asked=asked)
     tokens = torch.stack(counts).sum() if counts is not None else None
+    if counts is not None and weights == "tokens" and _mean_ignoring(loss_fn) is None and len(parts) > 1:
+        parts, counts = _parts_with_tokens(parts, counts)
     # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
     spread = tokens is not None and processes > 1
     everywhere = tokens_everywhere(tokens, averaging_group(model)) if spread else None
@@ -94,6 +98,21 @@ def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: t
             between()
         total = mean.detach() if total is None else total + mean.detach()
     return total
+
+
+def _parts_with_tokens(parts: list, counts: list[torch.Tensor]) -> tuple[list, list[torch.Tensor]]:
+    """The micro-batches that hold tokens (all, where none does), where the host may read their counts.  A
+    token mean written as a function divides by zero on a part without tokens, and 0/0's backward is NaN
+    whatever weight the part gets; the part's share is zero, so leaving it out is the whole batch's
+    gradient.  One host read per call; none while a CUDA graph is captured or the step compiled, where such
+    a part stays in (the whole-step graph cannot skip one)."""
+    if capturing() or torch.compiler.is_compiling() or \
+            (counts[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return parts, counts
+    has = torch.stack(counts).gt(0).tolist()
+    if all(has) or not any(has):
+        return parts, counts
+    return [p for p, h in zip(parts, has) if h], [c for c, h in zip(counts, has) if h]
 
 
 def check_row_weights(target: Any, micro_batches: int) -> None:
@@ -229,7 +248,8 @@ def _loss_shifts_labels(model: torch.nn.Module) -> bool:
 
 def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """A micro-batch's token-mean loss times its share ``count / total`` of the batch's label tokens; zero
-    (and no gradient) where it has none, whose mean is NaN."""
+    where it has none, whose mean is NaN (a NaN the loss's own backward makes there still flows: accumulate
+    leaves such parts out)."""
     share = count.to(loss.dtype) / total.to(loss.dtype)
     return torch.where(count > 0, loss * share, torch.zeros((), dtype=loss.dtype, device=loss.device))
 

@@ -273,6 +273,30 @@ def test_micro_batches_of_a_token_mean_loss_fn_make_the_whole_batch_mean(case):
     assert gap > 1e-4
 
 
+def _token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A token mean written out as users write it: 0/0 (NaN, and a NaN backward) for a batch without tokens."""
+    keep = y.ne(-100)
+    per = F.cross_entropy(logits, y.clamp(min=0), reduction="none")
+    return (per * keep).sum() / keep.sum()
+
+
+@pytest.mark.parametrize("empty", [0, 1, 2])
+def test_a_micro_batch_without_tokens_leaves_a_written_out_token_means_step_as_the_whole_batchs(empty):
+    """Micro-batch `empty` of three holds only -100 targets: its share of the token mean is zero, and its NaN
+    backward (0/0 in the user's loss) reaches no parameter; the step is an eager step on the whole batch."""
+    calls = []
+    for (x, y), kw in _padded_calls(7):
+        y = y.clone()
+        y[2 * empty: 2 * empty + 2] = -100
+        calls.append(((x, y), kw))
+    ref = _PerToken()
+    ref_opt = _optimizer(ref)
+    model = _PerToken()
+    step = cc.compile_step(model, _token_mean, _optimizer(model), backend="eager", micro_batches=3,
+                           micro_batch_weights="tokens")
+    _assert_trains_as_eager(step, model, ref, ref_opt, calls, lambda x, y: _token_mean(ref(x), y))
+
+
 def test_a_padded_target_weighed_by_rows_by_default_is_said_once():
     """A function of the user's as loss_fn (weighed by rows by default) whose target holds -100 entries: the
     first call warns once, at the caller's line, naming micro_batch_weights='tokens'; asking for rows, or a
