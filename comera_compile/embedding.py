@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -58,8 +59,7 @@ class _PairRows(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor):   # differentiable ops (out-of-place adds): create_graph works
         a, b, ia, ib = ctx.saved_tensors
         ga = torch.zeros_like(a) if ctx.needs_input_grad[0] else None
         gb = torch.zeros_like(b) if ctx.needs_input_grad[1] else None
@@ -71,10 +71,27 @@ class _PairRows(torch.autograd.Function):
                 sl = slice(start, start + ctx.chunk)
                 g = grad[sl].to(a.dtype)
                 if ga is not None:
-                    ga.index_add_(0, ia[sl], torch.bmm(g, b.index_select(0, ib[sl]).transpose(1, 2)))
+                    ga = ga.index_add(0, ia[sl], torch.bmm(g, b.index_select(0, ib[sl]).transpose(1, 2)))
                 if gb is not None:
-                    gb.index_add_(0, ib[sl], torch.bmm(a.index_select(0, ia[sl]).transpose(1, 2), g))
+                    gb = gb.index_add(0, ib[sl], torch.bmm(a.index_select(0, ia[sl]).transpose(1, 2), g))
         return ga, gb, None, None
+
+
+def _fill_padding_row(layer: nn.Module, incompatible: object) -> None:
+    """Load post-hook of TTEmbedding: the padding row a state_dict lacked, from the cores just loaded."""
+    fill = layer.__dict__.pop("_row_to_fill", None)
+    if fill is None:
+        return
+    prefix, unversioned = fill
+    with torch.no_grad():
+        keys = torch.tensor([layer.padding_idx], device=layer.cores[0].device)
+        program = networks.ttm_lookup_program(layer.spec.token, 1, False, True)
+        layer.padding_row.copy_(layer._rows(keys, *program)[0])
+    if unversioned:
+        warnings.warn(f"{prefix.rstrip('.') or 'TTEmbedding'}: the state_dict has no padding_row, so row "
+                      f"{layer.padding_idx} reads what the loaded cores give, as a layer saved without padding_idx "
+                      f"did; if it comes from a padding layer saved before padding_row existed, that row read "
+                      f"zeros: call padding_row.zero_() on the layer", stacklevel=4)
 
 
 class TTEmbedding(TTLayer):
@@ -85,6 +102,8 @@ class TTEmbedding(TTLayer):
     ``padding_row``: zeros, or the dense table's row from_dense was given) and gets no gradient."""
 
     _keeps_padding_row = True   # a bag leaves padding entries out, so it never reads the row
+    # 2: a state_dict saved without padding_row comes from a layer without padding_idx (see _load_from_state_dict)
+    _version = 2
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None, *,
                  rank: int | Sequence[int] = 30, row_modes: Sequence[int] | None = None,
@@ -105,6 +124,8 @@ class TTEmbedding(TTLayer):
                 self.register_buffer("padding_row", torch.zeros(self.embedding_dim, device=device,
                                                                 dtype=self.cores[0].dtype))
         self.padding_idx = padding_idx
+        if padding_idx is not None and self._keeps_padding_row:
+            self.register_load_state_dict_post_hook(_fill_padding_row)
         strides, acc = [], 1
         for v in reversed(spec.in_modes):
             strides.append(acc)
@@ -123,10 +144,14 @@ class TTEmbedding(TTLayer):
                               unexpected_keys, error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if f"{prefix}padding_row" in missing_keys:   # saved before the row was kept: it read as zeros
+        if f"{prefix}padding_row" in missing_keys:
+            # Saved by a layer without padding_idx, which read that row from its cores: keep it, as nn.Embedding
+            # keeps a loaded table's padding row (filled in by _fill_padding_row, once the cores are loaded).
+            # Without the version (a checkpoint from before it, or a format that drops torch's metadata) it may
+            # also be a padding layer's from before the row was kept, which read zeros: that is said.
             missing_keys.remove(f"{prefix}padding_row")
-            with torch.no_grad():
-                self.padding_row.zero_()
+            self._row_to_fill = (prefix, (local_metadata or {}).get("version", 1) < 2)
+
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, padding_idx: int | None = None, *,

@@ -268,9 +268,10 @@ def make_spec(kind: str, in_features: int, out_features: int, rank: int | Sequen
     order (the layout of the CoMERA paper's shapes); kind "ttm" (embeddings): both non-increasing."""
     if kind not in ("tt", "ttm"):
         raise ValueError(f"kind must be 'tt' or 'ttm', got {kind!r}")
-    for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if not isinstance(v, int) or v < 1:
+    for name, v in (("in_features", in_features), ("out_features", out_features)):   # NumPy, 0-d tensors too
+        if isinstance(v, bool) or not hasattr(v, "__index__") or _integer(v, f"{where}: {name}") < 1:
             raise ValueError(f"{where}: {name} must be a positive integer, got {v!r}")
+    in_features, out_features = operator.index(in_features), operator.index(out_features)
     if d is None:
         d = len(in_modes) if in_modes is not None else len(out_modes) if out_modes is not None else (
             3 if kind == "tt" else 4)
@@ -279,7 +280,7 @@ def make_spec(kind: str, in_features: int, out_features: int, rank: int | Sequen
     if in_modes is None:
         in_modes = choose_modes(in_features, d)
     if out_modes is None:
-        out_modes = choose_modes(out_features, d if kind == "ttm" else d)
+        out_modes = choose_modes(out_features, d)
         if kind == "tt":
             out_modes = tuple(sorted(out_modes))
     in_modes, out_modes = (tuple(_integer(m, f"{where}: a mode") for m in ms) for ms in (in_modes, out_modes))
