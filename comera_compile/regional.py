@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from comera_compile import compiled_region
+from comera_compile.layers import TTLayer
 
 __all__ = ["repeated_blocks", "compile_block", "compile_blocks", "is_compiled_block", "cache_off_by_default",
            "eager_blocks", "drop_stale_graphs"]
@@ -157,6 +158,10 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             fix = ("see which guard failed with TORCH_LOGS=recompiles; make the blocks' inputs and attributes "
                    "equal across layers (a per-layer int or flag read in forward), or raise "
                    "torch._dynamo.config.recompile_limit")
+            if _holds_tt_layers(block):   # ranks cut per layer are the usual cause here
+                fix = ("cut ranks that blocks of one shape share (ra.cut(), not ra.cut(share=False): TT layers of "
+                       "ranks of their own make one graph per block), or raise torch._dynamo.config."
+                       f"recompile_limit to the number of blocks; else {fix}")
             if fullgraph:
                 raise RuntimeError(f"compiled block {name} cannot be compiled: {why}. To fix it, {fix}") from e
             _eager(block, name, warned, why, fix)
@@ -168,6 +173,10 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
                 setattr(config, setting, value)
 
     return run
+
+
+def _holds_tt_layers(block: nn.Module) -> bool:
+    return any(isinstance(m, TTLayer) for m in block.modules())
 
 
 def _run_eagerly(call_impl: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

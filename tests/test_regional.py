@@ -449,6 +449,32 @@ def test_a_block_past_the_recompile_limit_runs_eagerly_with_a_warning_naming_it(
         torch.testing.assert_close(model(x), want)
 
 
+class _OwnRanks(nn.Module):
+    """A block whose TT layer has ranks of its own, as ra.cut(share=False) leaves each layer."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.lin = cc.TTLinear(16, 16, rank=rank, d=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+def test_blocks_past_the_recompile_limit_for_ranks_of_their_own_are_told_to_share_ranks(fresh_dynamo):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_OwnRanks(1 + i % 10) for i in range(10)])
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    cc.compile_blocks(model, backend="eager")
+    with pytest.warns(UserWarning, match=r"block 8 runs eagerly from now on") as record:
+        with torch.no_grad():
+            got = model(x)
+    said = [str(w.message) for w in record if "runs eagerly" in str(w.message)]
+    assert "ra.cut(), not ra.cut(share=False)" in said[0] and "recompile_limit to the number of blocks" in said[0]
+    torch.testing.assert_close(got, want)
+
+
 def test_with_fullgraph_a_block_past_the_recompile_limit_is_an_error(fresh_dynamo):
     model = nn.Sequential(*[_Indexed(i) for i in range(10)])
     cc.compile_blocks(model, backend="eager", fullgraph=True)
