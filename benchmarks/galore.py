@@ -18,6 +18,7 @@ in eager mode, the same computation the compiled step runs (which fuses, and so 
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -46,12 +47,35 @@ def galore_optimizer(model: nn.Module, rank: int = 128, lr: float = 1e-4) -> tor
                          "proj_type": "std"}], lr=lr, weight_decay=0.0, no_deprecation_warning=True)
 
 
+def _tensors_in(value: object, visited: set[int]) -> Iterator[torch.Tensor]:
+    """Every tensor an optimizer-state value holds: the value itself, inside lists, tuples and dicts, or as an
+    attribute of an object kept in the state (GaLore's projector and its ``ortho_matrix``, a list [U, V] for
+    its "full" projection), each object visited once."""
+    if isinstance(value, torch.Tensor):
+        yield value
+        return
+    if id(value) in visited or isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return
+    visited.add(id(value))
+    if isinstance(value, dict):
+        items = value.values()
+    elif isinstance(value, (list, tuple, set)):
+        items = value
+    else:
+        items = getattr(value, "__dict__", {}).values()
+    for item in items:
+        yield from _tensors_in(item, visited)
+
+
 def persistent_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the parameters, buffers and optimizer state tensors, each storage once."""
+    """Bytes of the parameters, buffers and optimizer state tensors (those held by objects in the state too,
+    such as GaLore's projection matrices), each storage once: a view counts its whole storage, which it keeps
+    alive (GaLore's projector is a slice of the SVD's factor)."""
     seen: dict = {}
+    visited: set[int] = set()
     tensors = [*model.parameters(), *model.buffers()]
     for state in optimizer.state.values():
-        tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        tensors += list(_tensors_in(state, visited))
     for t in tensors:
         key, size = storage_key(t)
         seen[key] = size

@@ -7,6 +7,7 @@ input cores, merge the output cores, two GEMMs)."""
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -17,7 +18,38 @@ from comera_compile.report import times_faster
 
 from .common import compare, fixed_order_plan
 
-__all__ = ["run"]
+__all__ = ["run", "cases", "format_rows"]
+
+
+def cases(dense: nn.Linear, tt: TTLinear, x: torch.Tensor, grad: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The timed calls on `x` (rows, in_features): forward and backward of nn.Linear, of TTLinear with its
+    searched plan, and of the same cores in the fixed order.  Each call starts with every gradient unset (the
+    layer's parameters' and x's), as a training step after ``zero_grad(set_to_none=True)``: its backward writes
+    the gradients afresh rather than adding into those of the call before (one more pass over the weights)."""
+    rows = x.shape[0]
+    fixed = fixed_order_plan(tt.spec, rows)
+
+    def fresh(layer: nn.Module) -> None:
+        for p in layer.parameters():
+            p.grad = None
+        x.grad = None
+
+    def run_dense() -> None:
+        fresh(dense)
+        dense(x).backward(grad)
+
+    def run_tt() -> None:
+        fresh(tt)
+        tt(x).backward(grad)
+
+    def run_fixed() -> None:  # same executor and bias fusion as TTLinear: only the order differs
+        fresh(tt)
+        fused = nw.fuses_bias(fixed.steps[-1].recipe, tt.out_features)
+        y = nw.execute(fixed, [x.reshape(rows, *tt.spec.in_modes), *tt._operands()],
+                       bias=tt.bias if fused else None).reshape(rows, -1)
+        (y if fused else y + tt.bias).backward(grad)
+
+    return {"nn.Linear": run_dense, "TT searched": run_tt, "TT fixed order": run_fixed}
 
 
 def run(quick: bool = False, device: str | torch.device = "cpu") -> list[dict]:
@@ -35,23 +67,8 @@ def run(quick: bool = False, device: str | torch.device = "cpu") -> list[dict]:
     for rows in rows_list:
         x = torch.randn(rows, 768, device=device, requires_grad=True)
         grad = torch.randn(rows, 3072, device=device)  # the upstream gradient a training step would bring
-        fixed = fixed_order_plan(tt.spec, rows)
-
-        def run_dense():
-            dense(x).backward(grad)
-
-        def run_tt():
-            tt(x).backward(grad)
-
-        def run_fixed():  # same executor and bias fusion as TTLinear: only the order differs
-            fused = nw.fuses_bias(fixed.steps[-1].recipe, 3072)
-            y = nw.execute(fixed, [x.reshape(rows, *tt.spec.in_modes), *tt._operands()],
-                           bias=tt.bias if fused else None).reshape(rows, -1)
-            (y if fused else y + tt.bias).backward(grad)
-
-        m = compare({"nn.Linear": run_dense, "TT searched": run_tt, "TT fixed order": run_fixed},
-                    repeat=repeat, min_time=0.02, device=device)
-        plan = tt.plan(rows)
+        m = compare(cases(dense, tt, x, grad), repeat=repeat, min_time=0.02, device=device)
+        plan, fixed = tt.plan(rows), fixed_order_plan(tt.spec, rows)
         results.append({
             "benchmark": "tt_linear_768x3072_r30_fwd_bwd", "rows": rows, "device": device.type,
             "dense_ms": m["nn.Linear"].median * 1e3, "tt_ms": m["TT searched"].median * 1e3,

@@ -11,7 +11,8 @@ from typing import Any, Callable, Iterable
 from comera_compile.report import times_faster
 
 __all__ = ["precision_words", "reach_time", "step_figures", "ratio", "NO_STEADY_STEP", "summarize", "format_table",
-           "smooth", "skipped_words", "plot", "write_outputs", "environment", "finish"]
+           "smooth", "skipped_words", "plot", "write_outputs", "environment", "finish", "budget_words", "ended_by",
+           "end_label", "budget_line"]
 
 
 def precision_words(run: dict[str, Any]) -> str:
@@ -81,6 +82,14 @@ def _mib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
 
 
+def _rss(run: dict[str, Any]) -> str:
+    """Peak RSS, and what the run added to the process's RSS at its start (runs that predate it: the peak)."""
+    peak, start = run["peak_rss_bytes"], run.get("rss_start_bytes")
+    if peak is None or start is None:
+        return _mib(peak)
+    return f"{_mib(peak)} (+{(peak - start) / 2**20:.1f})"
+
+
 def _step_cell(run: dict[str, Any]) -> str:
     return NO_STEADY_STEP if run["median_step_s"] is None else f"{run['median_step_s'] * 1e3:.0f} ms"
 
@@ -103,13 +112,12 @@ def format_table(result: dict[str, Any]) -> str:
         ("compile time", "-" if d["compile_s"] == 0 else f"{d['compile_s']:.1f} s", f"{c['compile_s']:.1f} s"),
         ("peak tracked memory, one eager fwd+bwd", _mib(d["peak_bytes"]),
          f"{_mib(c['peak_bytes'])} ({s['memory_ratio']:.2f}x)"),
-        ("peak process RSS while training", _mib(d["peak_rss_bytes"]), _mib(c["peak_rss_bytes"])),
+        ("peak process RSS while training (its growth over the run's start)", _rss(d), _rss(c)),
         ("encoder parameters, start -> end", f"{dense_enc:,}",
          f"{c['params_encoder_start']:,} -> {c['params_encoder']:,} ({s['encoder_compression_end']:.0f}x fewer)"),
         ("active TT parameters, start -> end", "-",
          f"{c['active_tt_params_start']:,} -> {c['active_tt_params_end']:,} ({s['active_tt_fall']:.1f}x fewer)"),
-        (f"held-out loss / accuracy, end of equal {'time' if result['config'].get('minutes') else 'steps'}",
-         _quality(d["evals"][-1]), _quality(c["evals"][-1])),
+        (end_label(result["config"], result["runs"], _LABELS), _quality(d["evals"][-1]), _quality(c["evals"][-1])),
         (f"held-out loss / accuracy at {d['steps']:,} steps", _quality(dense_at_steps),
          _quality(s["comera_at_equal_steps"])),
     ]
@@ -132,21 +140,65 @@ def format_table(result: dict[str, Any]) -> str:
                      f"{_seconds(s['comera_reach_s'])} of training: "
                      + (f"{100 * share:.0f}% of dense's" if share <= 1 else f"{share:.1f}x dense's")
                      + f" {_seconds(d['time_s'])}.")
-    budget = f"{cfg['minutes']:g} min" if cfg["minutes"] is not None else f"{cfg['steps']} steps"
     where = result['device'] if result.get('device', 'cpu') != 'cpu' else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes ({cfg.get('parallel', 'ddp').upper()})"
     parts = cfg.get("micro_batches", 1)
     accumulated = f" (each in {parts} micro-batches, gradients accumulated)" if parts > 1 else ""
-    lines.append(f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated} in "
+    lines.append(f"{budget_line(cfg, result['runs'], _LABELS)}; batches of {cfg['batch']} x {cfg['seq_len']} "
+                 f"tokens{accumulated} in "
                  f"{precision_words(result['runs']['dense'])}; size "
                  f"{cfg['size']!r}, seed {cfg['seed']}, {where}; held-out: "
                  f"{result['corpus']['heldout_masked_tokens']} masked tokens of {result['corpus']['heldout_files']} "
-                 f"files never trained on; {wall_words(result, {'dense': 'dense', 'comera': 'CoMERA'})}")
-    skipped = skipped_words(result["runs"], {"dense": "dense", "comera": "CoMERA"})
+                 f"files never trained on; {wall_words(result, _LABELS)}")
+    skipped = skipped_words(result["runs"], _LABELS)
     if skipped:
         lines.append(skipped)
     return "\n".join(lines)
+
+
+_LABELS = {"dense": "dense", "comera": "CoMERA"}
+
+
+def budget_words(minutes: float | None, steps: int | None) -> str:
+    """A budget per model in words: "5 min", "20 steps", or both ("5 min or 20 steps")."""
+    words = ([f"{minutes:g} min"] if minutes is not None else []) + ([f"{steps:,} steps"] if steps is not None else [])
+    return " or ".join(words)
+
+
+def ended_by(run: dict[str, Any], config: dict[str, Any]) -> str:
+    """Which budget ended a run: "steps" where it ran to config's step cap, else "time" (its run's own
+    "ended_by"; inferred from its step count in runs that predate it)."""
+    if run.get("ended_by"):
+        return run["ended_by"]
+    return "steps" if config.get("steps") is not None and run["steps"] >= config["steps"] else "time"
+
+
+def end_label(config: dict[str, Any], runs: dict[str, dict[str, Any]], labels: dict[str, str]) -> str:
+    """The table's label of the final evaluations: "end of equal time" or "end of equal steps" by the budget
+    that ended both runs, each run's budget where they differ."""
+    ends = {name: ended_by(run, config) for name, run in runs.items()}
+    if len(set(ends.values())) == 1:
+        return f"held-out loss / accuracy, end of equal {next(iter(ends.values()))}"
+    each = ", ".join(f"{labels.get(n, n)}: {_end_words(e, config)}" for n, e in ends.items())
+    return f"held-out loss / accuracy, end of each run ({each})"
+
+
+def _end_words(end: str, config: dict[str, Any]) -> str:
+    return f"{config['minutes']:g} min" if end == "time" else f"the {config['steps']:,}-step cap"
+
+
+def budget_line(config: dict[str, Any], runs: dict[str, dict[str, Any]], labels: dict[str, str]) -> str:
+    """"Budget ... per model", with, where both a time and a step budget were given, which ended each run."""
+    line = f"Budget {budget_words(config['minutes'], config['steps'])} per model"
+    if config["minutes"] is None or config["steps"] is None:
+        return line
+    ends = {name: ended_by(run, config) for name, run in runs.items()}
+    if len(set(ends.values())) == 1:
+        which = f"both stopped at {_end_words(next(iter(ends.values())), config)}"
+    else:
+        which = ", ".join(f"{labels.get(n, n)} stopped at {_end_words(e, config)}" for n, e in ends.items())
+    return f"{line}, whichever ends first ({which})"
 
 
 def wall_words(result: dict[str, Any], labels: dict[str, str]) -> str:

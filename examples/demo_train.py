@@ -119,6 +119,20 @@ def _active_encoder_params(model: nn.Module, ra: Any) -> int:
     return encoder_params(model) - allocated_cores + ra.size()
 
 
+class _EagerStep:
+    """The eager step as compile_step's callable looks: step(*batch) -> loss, with .skipped (fp16: the loss
+    scaler skipped the optimizer step).  The flag lives on this object, not on the step function, which then
+    holds no reference to itself: a self-referencing closure is a cycle that keeps the model, its optimizer
+    state and its gradients alive after the run, until the garbage collector happens to run."""
+
+    def __init__(self, step: Callable[..., tuple[torch.Tensor, bool]]) -> None:
+        self.step, self.skipped = step, False
+
+    def __call__(self, *batch: torch.Tensor) -> torch.Tensor:
+        loss, self.skipped = self.step(*batch)
+        return loss
+
+
 def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_encoder: int,
               eval_steps: tuple[int, ...] = (), world: World = World()) -> dict[str, Any]:
     """Train `model` for cfg's budget (minutes and/or steps); returns its history and figures.
@@ -176,7 +190,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             with autocast():
                 return loss_fn(forward(inputs, positions), labels)
 
-        def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        def eager(inputs: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, bool]:
             scale = scaler.scale if scaler is not None else (lambda loss: loss)
             before = scaler.get_scale() if scaler is not None else 0.0   # read before the step's kernels queue
             if cfg.micro_batches > 1:   # the accumulation compile_step runs, uncompiled
@@ -185,25 +199,26 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
             else:
                 loss = part_loss(*pack((inputs, positions, labels), {}))
                 scale(loss).backward()
+            skipped = False
             if scaler is None:
                 opt.step()
             else:
-                eager.skipped = scaled_step(scaler, opt, before)
+                skipped = scaled_step(scaler, opt, before)
             opt.zero_grad(set_to_none=True)
-            return loss.detach()
+            return loss.detach(), skipped
 
-        eager.skipped = False
-        return eager
+        return _EagerStep(eager)
 
     step_fn = make_step()
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
-    if budget is not None:
-        time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
-        step_marks = set(eval_steps)
-    else:
-        time_marks = []
-        step_marks = {max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)} | set(eval_steps)
+    # cfg.evals marks of each budget given; an evaluation each time the run passes its next mark of either, so a
+    # run ended by its step cap before its time (or the reverse) is evaluated cfg.evals times all the same
+    time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)] if budget is not None else []
+    cap_marks = ([max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)]
+                 if cfg.steps is not None else [])
+    marks_passed = 0
+    step_marks = set(eval_steps)   # the other model's step count: a comparison at equal steps
     history: dict[str, list] = {"step": [], "time_s": [], "loss": [], "step_time_s": [], "active_tt_params": [],
                                 "encoder_compression": []}
     evals: list[dict[str, Any]] = []
@@ -212,7 +227,8 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
     elapsed = 0.0  # training seconds: wall time with the held-out evaluations left out
     start_encoder = encoder_params(model)
     compile_steps: list[int] = []  # steps that compiled (0-based): the first ones, those after a re-allocation
-    rss_peak = rss_bytes() or 0
+    rss_start = rss_bytes()
+    rss_peak = rss_start or 0
     total = cfg.steps if budget is None else None
     bar = tqdm(total=total if total is not None else round(budget), desc=f"{name:>6}",
                disable=not (cfg.progress and world.main),
@@ -269,10 +285,9 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         bar.set_postfix(loss=f"{step_loss:.3f}", step=f"{dt * 1e3:.0f}ms", enc=f"{dense_encoder / enc:.0f}x",
                         refresh=False)
         bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
-        due = step in step_marks
-        while time_marks and elapsed >= time_marks[0]:
-            time_marks.pop(0)
-            due = True
+        passed = max(sum(elapsed >= m for m in time_marks), sum(step >= m for m in cap_marks))
+        due = step in step_marks or passed > marks_passed
+        marks_passed = passed
         if due or (cfg.steps is not None and step == cfg.steps):
             record_eval(step)
     bar.close()
@@ -293,6 +308,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "execution": execution,
         "precision": cfg.arithmetic(),
         "steps": step,
+        "ended_by": "steps" if cfg.steps is not None and step >= cfg.steps else "time",   # the budget that ended it
         "time_s": elapsed,
         "params_model": total_params(model),
         "params_encoder": encoder_params(model),
@@ -304,6 +320,7 @@ def train_one(name: str, model: nn.Module, cfg: DemoConfig, data: Data, dense_en
         "skipped_steps": skipped_steps,   # fp16: steps the loss scaler skipped (their loss: None in history)
         "peak_bytes": _peak_step_bytes(model, first_batch, data.vocab_size, autocast),
         "peak_rss_bytes": rss_peak or None,
+        "rss_start_bytes": rss_start,   # the process's RSS as the run started: peak - start is the run's own
         "device": str(device),
         "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "heldout_loss": evals[-1]["loss"],

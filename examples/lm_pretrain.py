@@ -17,18 +17,18 @@ Run it: ``comera-compile pretrain`` (options: ``comera-compile pretrain --help``
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import os
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from comera_compile.examples.code_data import DemoError
+from comera_compile.examples.compile_cache import own_compile_cache, warm_up_compiler
 from comera_compile.examples.demo_dist import World, arithmetic, from_env, run_in_world
 from comera_compile.examples.lm_config import METHODS, PRESETS, SHAPES, LlamaShape, PretrainConfig, preset
 from comera_compile.examples.lm_train import (Schedule, batches, build_model, causal_lm_loss,
@@ -50,37 +50,6 @@ def default_out_dir() -> Path:
 # Config fields that do not change what a method's run is (where it is written, what else trains, how it is
 # shown): --resume keeps a saved run whose other fields, data, device, threads and torch match.
 _NOT_FINGERPRINTED = ("out", "methods", "progress", "resume")
-
-
-@contextlib.contextmanager
-def own_compile_cache() -> Iterator[None]:
-    """Inside: dynamo's and Inductor's caches empty, Inductor's on-disk cache (FX graphs, AOTAutograd entries,
-    kernels) a new temporary folder, removed after.  A method trained inside compiles every graph itself,
-    however much of it (GaLore's model is dense's) an earlier method or an earlier run compiled."""
-    from torch._inductor import utils
-
-    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache   # the older name, kept as an alias
-    torch._dynamo.reset()
-    try:
-        with fresh():
-            yield
-    finally:
-        torch._dynamo.reset()
-
-
-def warm_up_compiler(device: torch.device) -> float:
-    """Compile and run a small function's forward and backward with Inductor on `device`, in a cache of its
-    own, so that the process's one-time costs (importing Inductor and AOTAutograd, the C++ or Triton
-    toolchain's checks: about 20 s on a 2-core CPU) fall on no method's budget.  Returns the seconds taken."""
-    t0 = time.perf_counter()
-    with own_compile_cache():
-        x = torch.randn(8, 16, device=device)
-        w = torch.randn(16, 16, device=device, requires_grad=True)
-        fn = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w).pow(2).mean(), backend="inductor")
-        fn(x, w).backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
 
 
 def _model_for(method: str, cfg: PretrainConfig, vocab_size: int, device: torch.device) -> nn.Module:
