@@ -326,8 +326,9 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch_in_each_cuda_grap
 def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_batches):
     """compile_step(autocast=torch.float16) makes its own GradScaler: 8 steps against torch's eager recipe
     (forward under float16 autocast, scaler.scale(loss).backward(), scaler.step, scaler.update) with the same
-    AdamW, whole or in 4 micro-batches.  The parameters move as the eager loop's (their difference within 5%
-    of the eager update), no step is skipped, and on CUDA "auto" keeps per-graph replays with a warning (the
+    AdamW, whole or in 4 micro-batches (the eager loop accumulating the same 4 parts: at float16 a gate's
+    near-zero gradient summed in another order can flip AdamW's update by 2 lr).  The parameters move as the
+    eager loop's (their difference within 5% of the eager update), no step is skipped, and on CUDA "auto" keeps per-graph replays with a warning (the
     scaler's overflow check is a host read), recording in the first steps only."""
     x, target = _batch(device, 32)
     loss_fn = nn.CrossEntropyLoss()
@@ -336,9 +337,10 @@ def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_
     opt = torch.optim.AdamW(eager.parameters(), lr=1e-3, weight_decay=0.0)
     scaler = torch.amp.GradScaler(device.type)
     for _ in range(8):
-        with torch.autocast(device.type, dtype=torch.float16):
-            loss = loss_fn(eager(x), target)
-        scaler.scale(loss).backward()
+        for xs, ts in zip(x.chunk(micro_batches), target.chunk(micro_batches)):   # equal parts: each weighs 1/n
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = loss_fn(eager(xs), ts) / micro_batches
+            scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
