@@ -380,6 +380,9 @@ def trainer_callback(ra: Any) -> Any:
             ra.step(loss)
 
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            from comera_compile.distributed.replicas import replica_mean   # every process: a collective
+
+            ra._loss_ema = replica_mean(ra._loss_ema, ra._penalty_t.device, ra.process_group)   # the one copy saved
             if state.is_world_process_zero and os.path.isdir(folder(args, state)):
                 torch.save(ra.state_dict(), os.path.join(folder(args, state), RA_STATE_NAME))
 

@@ -558,6 +558,17 @@ def _own_models_worker(rank: int, world: int, port: int, out: str) -> None:
                 result[group] = [p.detach().clone() for p in model.parameters()]
             except RuntimeError as e:
                 result[group] = str(e)
+        # replicas whose parameters do not even count alike (rank 1 keeps a layer dense): the same error,
+        # not a collective of mismatched sizes (gloo aborted the process; NCCL would hang)
+        model = cc.tensorize(nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.Tanh(),
+                                           nn.Linear(64, 5)), rank=6, min_features=32,
+                             exclude=["2"] if rank == 1 else None)
+        opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+        try:
+            _train_on_noise(model, opt, cc.RankAdaptive(model, optimizer=opt, cut_every=2), 4)
+            result["layers"] = "trained"
+        except RuntimeError as e:
+            result["layers"] = str(e)
         if rank == 0:   # rank 0 alone: its checks talk to no other process
             ra = cc.RankAdaptive(model, optimizer=opt, cut_every=1, process_group=own)
             ra.step(torch.tensor(1.0))
@@ -570,7 +581,36 @@ def test_processes_that_each_train_their_own_model_say_so_with_a_group_of_one(tm
     a, b = _two_processes(_own_models_worker, str(tmp_path / "own"))
     for r in (a, b):
         assert "process_group=torch.distributed.new_subgroups(1)[0]" in r["default"], r["default"]
+        assert "hold different parameters" in r["layers"], r["layers"]
     assert not all(torch.equal(p, q) for p, q in zip(a["own"], b["own"]))   # each kept its own model
+
+
+def _callback_save_worker(rank: int, world: int, port: int, out: str) -> None:
+    """The Trainer's callback saving a checkpoint while the processes' own loss averages differ (as each
+    process's loss does): every process goes on with their mean, and the one file holds it."""
+    import os
+    from types import SimpleNamespace
+
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        model = _model()
+        ra = cc.RankAdaptive(model, optimizer=torch.optim.AdamW(cc.param_groups(model, lr=1e-2)))
+        ra._loss_ema = float(rank + 1)
+        args, state = SimpleNamespace(output_dir=out), SimpleNamespace(global_step=3, is_world_process_zero=rank == 0)
+        os.makedirs(os.path.join(out, "checkpoint-3"), exist_ok=True)
+        dist.barrier()
+        ra.trainer_callback().on_save(args, state, None)
+        dist.barrier()
+        saved = torch.load(os.path.join(out, "checkpoint-3", "rank_adaptive.pt"), weights_only=False)
+        torch.save({"ema": ra._loss_ema, "saved": saved["loss_ema"]}, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_the_trainer_callback_saves_the_processes_mean_loss_average(tmp_path):
+    pytest.importorskip("transformers")
+    results = _two_processes(_callback_save_worker, str(tmp_path / "run"))
+    assert [r["ema"] for r in results] == [1.5, 1.5] and [r["saved"] for r in results] == [1.5, 1.5]
 
 
 def _trainer_worker(rank: int, world: int, port: int, out: str) -> None:

@@ -89,12 +89,17 @@ def synchronize(model: nn.Module, layers: dict[str, Any], masks: dict[str, list[
     import torch.distributed as dist
 
     params = [p for p in model.parameters() if not is_sharded(p)]
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    count = torch.tensor([len(params), -len(params)], dtype=torch.float64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)   # one length of fingerprint, or the error below
+    same = bool(count[0] == -count[1])
     fp = torch.stack([torch.stack([p.detach().double().sum(), p.detach().double().square().sum()])
-                      for p in params]).flatten() if params else torch.zeros(2, dtype=torch.float64)
+                      for p in params]).flatten() if params and same else torch.zeros(2, dtype=torch.float64,
+                                                                                    device=device)
     hi, lo = fp.clone(), -fp
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MAX, group=group)
-    if not torch.allclose(hi, -lo, rtol=1e-6, atol=1e-9):
+    if not same or not torch.allclose(hi, -lo, rtol=1e-6, atol=1e-9):
         raise RuntimeError(
             "RankAdaptive: the data-parallel replicas hold different parameters.  After a re-allocation the "
             "cores are new Parameters: rebuild the wrapper (ddp = DistributedDataParallel(model, ...)) before "
