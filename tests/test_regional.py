@@ -429,20 +429,26 @@ class _Indexed(nn.Module):
         return self.lin(x) * self.index
 
 
-def test_a_block_past_the_recompile_limit_runs_eagerly_with_a_warning_naming_it(fresh_dynamo):
-    torch.manual_seed(0)
-    model = nn.Sequential(*[_Indexed(i) for i in range(10)])
-    x = torch.randn(2, 8)
+def _past_the_recompile_limit(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """model's blocks compiled (backend "eager") and called once: its eager output (which the compiled call
+    must give too) and the warnings that a block runs eagerly."""
     with torch.no_grad():
         want = model(x)
     cc.compile_blocks(model, backend="eager")
     with pytest.warns(UserWarning, match=r"block 8 runs eagerly from now on: dynamo's recompile limit") as record:
         with torch.no_grad():
             got = model(x)
-    said = [str(w.message) for w in record if "runs eagerly" in str(w.message)]
+    torch.testing.assert_close(got, want)
+    return want, [str(w.message) for w in record if "runs eagerly" in str(w.message)]
+
+
+def test_a_block_past_the_recompile_limit_runs_eagerly_with_a_warning_naming_it(fresh_dynamo):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_Indexed(i) for i in range(10)])
+    x = torch.randn(2, 8)
+    want, said = _past_the_recompile_limit(model, x)
     assert len(said) == 1, said   # once for the class: block 9 is not said again, eager_blocks lists it
     assert "TORCH_LOGS=recompiles" in said[0] and "every other _Indexed block" in said[0]
-    torch.testing.assert_close(got, want)
     assert eager_blocks(model).keys() == {"8", "9"}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")   # said once
@@ -463,16 +469,8 @@ class _OwnRanks(nn.Module):
 def test_blocks_past_the_recompile_limit_for_ranks_of_their_own_are_told_to_share_ranks(fresh_dynamo):
     torch.manual_seed(0)
     model = nn.Sequential(*[_OwnRanks(1 + i % 10) for i in range(10)])
-    x = torch.randn(2, 16)
-    with torch.no_grad():
-        want = model(x)
-    cc.compile_blocks(model, backend="eager")
-    with pytest.warns(UserWarning, match=r"block 8 runs eagerly from now on") as record:
-        with torch.no_grad():
-            got = model(x)
-    said = [str(w.message) for w in record if "runs eagerly" in str(w.message)]
+    _, said = _past_the_recompile_limit(model, torch.randn(2, 16))
     assert "ra.cut(), not ra.cut(share=False)" in said[0] and "recompile_limit to the number of blocks" in said[0]
-    torch.testing.assert_close(got, want)
 
 
 def test_with_fullgraph_a_block_past_the_recompile_limit_is_an_error(fresh_dynamo):
