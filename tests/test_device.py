@@ -328,8 +328,9 @@ def test_float16_steps_train_as_the_eager_gradscaler_loop(device, graphs, micro_
     (forward under float16 autocast, scaler.scale(loss).backward(), scaler.step, scaler.update) with the same
     AdamW, whole or in 4 micro-batches (the eager loop accumulating the same 4 parts: at float16 a gate's
     near-zero gradient summed in another order can flip AdamW's update by 2 lr).  The parameters move as the
-    eager loop's (their difference within 5% of the eager update), no step is skipped, and on CUDA "auto" keeps per-graph replays with a warning (the
-    scaler's overflow check is a host read), recording in the first steps only."""
+    eager loop's (their difference within 5% of the eager update), no step is skipped, and on CUDA "auto"
+    keeps per-graph replays with a warning (the scaler's overflow check is a host read), recording in the
+    first steps only."""
     x, target = _batch(device, 32)
     loss_fn = nn.CrossEntropyLoss()
     eager = _tensorized_net(device)
