@@ -204,8 +204,10 @@ class TTEmbedding(TTLayer):
         by_row: dict[int, torch.Tensor] = {}
 
         def row_major(k: int) -> torch.Tensor:  # core k as (v_k, r, e_k, r'): a row gather is one memcpy
-            if k not in by_row:
-                by_row[k] = cores[k].permute(1, 0, 2, 3).contiguous()
+            if k not in by_row:   # r = 1 (the first core): a view, so its gradient has the core's own strides
+                c = cores[k]      # (permute's gives the size-1 dim another stride, which DDP warns of and copies)
+                by_row[k] = c.reshape(c.shape[1], 1, *c.shape[2:]) if c.shape[0] == 1 else \
+                    c.permute(1, 0, 2, 3).contiguous()
             return by_row[k]
 
         def digits(first: int, last: int, values: torch.Tensor) -> torch.Tensor:

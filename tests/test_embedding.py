@@ -545,3 +545,14 @@ def test_second_order_gradients_through_the_row_products_match_the_dense_tables(
     want = penalty(lambda: F.embedding(idx, emb.to_dense()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("vocab, ids", [(256, 200), (10**6, 3)], ids=["table", "rows"])
+def test_core_gradients_have_the_cores_own_strides(vocab, ids):
+    """DDP's gradient layout contract: each core's .grad has the core's strides (a first core of rank 1 got
+    another stride on its size-1 dimension, which DDP warns of at every build and copies at every step)."""
+    torch.manual_seed(0)
+    for layer in (TTEmbedding(vocab, 64, rank=8, d=3), TTEmbeddingBag(vocab, 64, rank=8, d=3)):
+        layer(torch.randint(0, vocab, (ids,)).view(1, -1) if isinstance(layer, TTEmbeddingBag)
+              else torch.randint(0, vocab, (ids,))).sum().backward()
+        assert [p.grad.stride() for p in layer.parameters()] == [p.stride() for p in layer.parameters()]
