@@ -191,6 +191,18 @@ def test_make_spec_rejects_bad_kind_and_features():
         tt.make_spec("cp", 8, 8, 2)
     with pytest.raises(ValueError, match="in_features must be a positive integer"):
         tt.make_spec("tt", 0, 8, 2)
+    for bad in (8.0, True, "8", torch.tensor(8.0)):
+        with pytest.raises((ValueError, TypeError), match="in_features must be"):
+            tt.make_spec("tt", bad, 8, 2)
+
+
+def test_make_spec_takes_numpy_and_0_d_tensor_sizes_as_nn_linear_does():
+    np = pytest.importorskip("numpy")
+    want = tt.make_spec("tt", 64, 96, 4)
+    for a, b in ((np.int64(64), np.int32(96)), (torch.tensor(64), torch.tensor(96))):
+        got = tt.make_spec("tt", a, b, 4)
+        assert got == want and type(got.in_features) is int and type(got.out_features) is int
+        torch.nn.Linear(a, b)   # the sizes nn.Linear takes
 
 
 # ---------------------------------------------------------------------------------------------------------
