@@ -143,3 +143,35 @@ def test_init_svd_of_weights_on_the_meta_device_is_an_error_that_says_what_to_do
         model = nn.Sequential(nn.Linear(64, 128))
     with pytest.raises(cc.TensorizeError, match="meta device.*init='random'"):
         cc.tensorize(model, rank=8, init="svd")
+
+
+class Aliased(nn.Module):
+    """A layer registered under two names (user code that keeps a handle on a block's first layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+        self.first = self.body[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("how", ["include", "include-pattern", "exclude", "shapes"])
+def test_include_exclude_and_shapes_match_a_layer_by_any_name_it_is_registered_by(how):
+    torch.manual_seed(0)
+    model = Aliased()
+    dense0, dense1 = model.body[0].weight.detach().clone(), model.body[1].weight.detach().clone()
+    kwargs = {"include": {"include": "first"}, "include-pattern": {"include": "fir*"}, "exclude": {"exclude": "first"},
+              "shapes": {"shapes": {"first": {"in_modes": (16, 16), "out_modes": (16, 16)}}}}[how]
+    tt = cc.tensorize(model, rank=8, **kwargs)
+    assert tt.first is tt.body[0]  # the alias still names the layer the forward calls
+    if how == "exclude":
+        assert type(tt.body[0]) is nn.Linear and torch.equal(tt.body[0].weight, dense0)
+        assert isinstance(tt.body[1], TTLinear)
+    else:
+        assert isinstance(tt.body[0], TTLinear)
+        if how == "shapes":
+            assert tt.body[0].spec.in_modes == (16, 16) and isinstance(tt.body[1], TTLinear)
+        else:
+            assert type(tt.body[1]) is nn.Linear and torch.equal(tt.body[1].weight, dense1)

@@ -161,8 +161,8 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
     include_p = _as_patterns(include, "include")
     exclude_p = _as_patterns(exclude, "exclude") or []
 
-    all_names = [n for n, _ in model.named_modules() if n]
-    modules = dict(model.named_modules())
+    all_names = [n for n, _ in model.named_modules(remove_duplicate=False) if n]   # a module's every name
+    modules = dict(model.named_modules(remove_duplicate=False))
     for pats, label in ((include_p or [], "include"), (exclude_p, "exclude")):
         for p in pats:
             hits = [n for n in all_names if fnmatch.fnmatchcase(n, p)]

@@ -155,13 +155,13 @@ def _unsupported_embedding_options(mod: nn.Embedding | nn.EmbeddingBag) -> list[
     return opts
 
 
-def _find_shape(shapes: Mapping, name: str, dims: tuple[int, int]) -> tuple[Any, LayerShape | None]:
-    """The key of `shapes` that gives this layer its shape (its dims, else the first name pattern it
-    matches), and the shape; (None, None) where none does."""
+def _find_shape(shapes: Mapping, names: Sequence[str], dims: tuple[int, int]) -> tuple[Any, LayerShape | None]:
+    """The key of `shapes` that gives this layer its shape (its dims, else the first name pattern one of
+    its names matches), and the shape; (None, None) where none does."""
     if dims in shapes:
         return dims, as_shape(shapes[dims], str(dims))
     for key, value in shapes.items():
-        if isinstance(key, str) and fnmatch.fnmatchcase(name, key):
+        if isinstance(key, str) and any(fnmatch.fnmatchcase(n, key) for n in names):
             return key, as_shape(value, key)
     return None, None
 
@@ -189,18 +189,24 @@ def _spec(mod: nn.Module, kind: str, rank: int | Sequence[int], shape: LayerShap
         raise TensorizeError(f"cannot tensorize {where!r} ({type(mod).__name__}): {e}") from e
 
 
-def _keep_dense_reason(model: nn.Module, name: str, mod: nn.Module, kind: str, shape: LayerShape | None,
-                       opts: Options, inside_mha: set[int], owners: dict[int, set[int]],
+def _named(opts: Options, names: Sequence[str]) -> bool:
+    """Whether the user's include names this layer outright, under any of the names it is registered by."""
+    return opts.include is not None and any(n in opts.include for n in names)
+
+
+def _keep_dense_reason(model: nn.Module, names: Sequence[str], mod: nn.Module, kind: str,
+                       shape: LayerShape | None, opts: Options, inside_mha: set[int], owners: dict[int, set[int]],
                        tied_groups: list[str]) -> str | None:
     """Why `mod` stays dense, or None to rewrite it; a weight shared with others adds its group to
-    tied_groups.  Raises where the user named a layer that cannot be rewritten."""
-    dims = _dims(mod, kind)
-    explicit = opts.include is not None and name in opts.include
+    tied_groups.  Raises where the user named a layer that cannot be rewritten.  `names` are every name
+    the module is registered by (the first is named_modules'); include / exclude match any of them."""
+    dims, name = _dims(mod, kind), names[0]
+    explicit = _named(opts, names)
     if id(mod) in inside_mha:
         return "out_proj of nn.MultiheadAttention, which reads its weight directly"
-    if matches(name, opts.exclude):
+    if any(matches(n, opts.exclude) for n in names):
         return "excluded"
-    if opts.include is not None and not matches(name, opts.include):
+    if opts.include is not None and not any(matches(n, opts.include) for n in names):
         return "not included"
     weight_reason = _weight_reason(mod)
     if weight_reason is not None and explicit:
@@ -268,15 +274,16 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                 scripted.append(name)
             continue
         dims = seen[name] = _dims(mod, kind)
-        key, shape = _find_shape(opts.shapes, name, dims)
+        key, shape = _find_shape(opts.shapes, names_of[id(mod)], dims)
         used_shapes.add(key)
-        reason = _keep_dense_reason(model, name, mod, kind, shape, opts, inside_mha, owners, tied_groups)
+        reason = _keep_dense_reason(model, names_of[id(mod)], mod, kind, shape, opts, inside_mha, owners,
+                                    tied_groups)
         if reason is None and id(mod) in foreign:
             tied_away.append(name)
             if opts.tied == "keep":
                 reason = "weight or bias tied with a module outside the model given"
         if reason is None and id(mod) in held:
-            if opts.include is not None and name in opts.include:
+            if _named(opts, names_of[id(mod)]):
                 raise TensorizeError(f"cannot tensorize {name!r}: the model also holds it at {held[id(mod)]}, "
                                      f"outside its submodules, where a TT layer cannot replace it; register "
                                      f"that container as nn.ModuleDict or nn.ModuleList, or exclude it")
@@ -296,7 +303,7 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
         if spec.num_params() >= dims[0] * dims[1]:
             what = (f"{name} ({dims[0]}x{dims[1]}): {spec.num_params():,} TT parameters at ranks {spec.ranks}, "
                     f"dense {dims[0] * dims[1]:,}")
-            explicit = opts.include is not None and name in opts.include
+            explicit = _named(opts, names_of[id(mod)])
             if not (opts.rank_chosen or shape is not None or explicit):  # the default rank: keep it dense
                 summary.kept_dense[name] = f"no smaller as TT at the default rank ({what.split(': ', 1)[1]})"
                 grown.append(what)

@@ -47,7 +47,8 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
         default 30, or the preset's.
     shapes: explicit shapes, keyed by module-name pattern or by (in, out) / (rows, dim); values are
         LayerShape, a dict of its fields, or (in_modes, out_modes).  Others are chosen automatically.
-    include / exclude: fnmatch patterns on qualified module names; excluded layers stay dense.
+    include / exclude: fnmatch patterns on qualified module names (a layer registered under two names
+        matches by either); excluded layers stay dense.
     min_features: layers whose smaller dimension is below this stay dense (unless given a shape).
     init: "random" (trains from scratch, variance of the dense default init) or "svd" (TT-SVD of the
         existing weights: exact at full ranks).
