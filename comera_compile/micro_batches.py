@@ -70,25 +70,35 @@ def resolve_weights(loss_fn: Any, weights: str | None) -> str:
 def accumulate(fwd: Callable[..., torch.Tensor], flat: tuple[Any, ...], model: torch.nn.Module, loss_fn: Any,
                micro_batches: int, weights: str, processes: int = 1, asked: bool = False,
                between: Callable[[], None] | None = None,
-               scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+               scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+               outputs: Callable[..., Any] | None = None) -> torch.Tensor:
     """Forward and backward of a call's packed arguments `flat` in `micro_batches` parts, gradients added to
     .grad; returns the whole batch's loss (detached).  ``fwd(*part)`` is a part's loss; each counts by
     `weights` (resolve_weights), a token mean against every process's tokens where `processes` (DDP's or
     FSDP2's, whose reduction waits for the last part) average the gradients.  ``between()`` runs after each
     backward but the last; `asked`: the user chose the weighting (token_counts' errors); ``scale(loss)`` is what
-    each backward starts from (a GradScaler's scaled loss)."""
+    each backward starts from (a GradScaler's scaled loss); ``outputs(*part)`` is a part's model output
+    without the loss (for a part without tokens under DDP or FSDP2, see _zero_backward)."""
     parts = split_batch(flat, micro_batches, lambda i: named(flat, i)) if micro_batches > 1 else [(flat, 1.0)]
     counts = token_counts(model, loss_fn, weights, [unpack(part) for part, _ in parts], asked=asked)
     tokens = torch.stack(counts).sum() if counts is not None else None
-    if counts is not None and weights == "tokens" and _mean_ignoring(loss_fn) is None and len(parts) > 1:
-        parts, counts = _parts_with_tokens(parts, counts)
     # DDP or FSDP2 averages `processes` gradients: each counts its tokens against every process's
     spread = tokens is not None and processes > 1
+    empty = [False] * len(parts)   # parts whose written-out token mean is 0/0 and that still run (spread)
+    if counts is not None and weights == "tokens" and _mean_ignoring(loss_fn) is None:
+        if spread and outputs is not None:   # every process runs every part: collectives stay paired
+            empty = _without_tokens(counts)
+        elif len(parts) > 1:
+            parts, counts = _parts_with_tokens(parts, counts)
     everywhere = tokens_everywhere(tokens, averaging_group(model)) if spread else None
     total = None
     for i, (part, share) in enumerate(parts):
         last = i == len(parts) - 1
         with contextlib.nullcontext() if last else gradient_sync_off(model):
+            if empty[i]:
+                mean = _zero_backward(outputs(*part))
+                total = mean if total is None else total + mean
+                continue
             loss = fwd(*part)
             mean = weigh(loss, counts[i], tokens) if counts is not None else (   # this process's
                 loss if weights == "sum" else loss * share)
@@ -113,6 +123,30 @@ def _parts_with_tokens(parts: list, counts: list[torch.Tensor]) -> tuple[list, l
     if all(has) or not any(has):
         return parts, counts
     return [p for p, h in zip(parts, has) if h], [c for c, h in zip(counts, has) if h]
+
+
+def _without_tokens(counts: list[torch.Tensor]) -> list[bool]:
+    """Which parts hold no token, read on the host (none while a CUDA graph is captured or the step compiled,
+    where every part runs its loss: see _parts_with_tokens)."""
+    if capturing() or torch.compiler.is_compiling() or \
+            (counts[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+        return [False] * len(counts)
+    return torch.stack(counts).eq(0).tolist()
+
+
+def _zero_backward(output: Any) -> torch.Tensor:
+    """A backward of zeros from every output of the model that needs a gradient, for a part whose share of a
+    token mean is nothing: under DDP or FSDP2 every process must run as many forwards and backwards as the
+    others (their collectives pair up), and the part's own loss, 0/0, would send NaN into the reduced
+    gradients whatever weight it got.  Returns the part's share of the loss, zero."""
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if leaves:
+        torch.autograd.backward(leaves, [torch.zeros_like(t) for t in leaves])
+    first = next((t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()),
+                 None)
+    if first is None:
+        return torch.zeros(())
+    return torch.zeros((), dtype=torch.promote_types(first.dtype, torch.float32), device=first.device)
 
 
 def check_row_weights(target: Any, micro_batches: int) -> None:
@@ -249,7 +283,7 @@ def _loss_shifts_labels(model: torch.nn.Module) -> bool:
 def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """A micro-batch's token-mean loss times its share ``count / total`` of the batch's label tokens; zero
     where it has none, whose mean is NaN (a NaN the loss's own backward makes there still flows: accumulate
-    leaves such parts out)."""
+    leaves such parts out, or runs them without their loss, _zero_backward)."""
     share = count.to(loss.dtype) / total.to(loss.dtype)
     return torch.where(count > 0, loss * share, torch.zeros((), dtype=loss.dtype, device=loss.device))
 

@@ -6,6 +6,7 @@ one by one are comera_compile.regional's.  docs/method.md section 7 has the meas
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
@@ -197,6 +198,13 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         with torch.autocast(device_type, dtype=autocast, cache_enabled=not whole):
             return model_loss(*args, **kw)
 
+    def forward_outputs(*flat: Any) -> Any:
+        """The model's output without the loss (accumulate's micro-batches that hold no token)."""
+        args, kw = unpack(flat)
+        inputs = args if loss_fn is None else args[:-1]
+        with contextlib.nullcontext() if autocast is None else torch.autocast(device_type, dtype=autocast):
+            return model(*inputs, **kw)
+
     def compile_forward(compile_kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if regional and compile_blocks(model, backend=backend, fullgraph=fullgraph, **compile_kwargs):
             return forward_loss
@@ -233,7 +241,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         keep = (lambda: own_gradients(model, owned)) if on_cuda and not whole and chosen != "off" else None
         return accumulate(fwd, args, model, loss_fn, micro_batches, weights, processes,
                           asked=micro_batch_weights is not None, between=keep,
-                          scale=scaler.scale if scaling else None)
+                          scale=scaler.scale if scaling else None, outputs=forward_outputs)
 
     owned: dict[int, torch.Tensor] = {}   # the .grad copies own_gradients made in this call, by id
 

@@ -342,6 +342,56 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
             torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
 
 
+def _written_token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A token mean written out, as users write one: 0/0 on rows holding only -100."""
+    mask = y.ne(-100)
+    return (nn.functional.cross_entropy(logits, y.clamp_min(0), reduction="none") * mask).sum() / mask.sum()
+
+
+def _tokenless_batches(empty: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """STEPS batches of 8 rows for two processes, whose first process's first micro-batch (rows 0-1) or whole
+    half (rows 0-3) holds only -100 targets."""
+    g = torch.Generator().manual_seed(4)
+    xs, ys = torch.randn(STEPS, 8, 64, generator=g, dtype=torch.float64), torch.randint(0, 5, (STEPS, 8), generator=g)
+    ys[:, :2 if empty == "micro-batch" else 4] = -100
+    ys[:, 6] = -100
+    return xs, ys
+
+
+def _tokenless_worker(rank: int, world: int, port: int, out: str, micro_batches: int, empty: str) -> None:
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        model = _model().double()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        step = cc.compile_step(ddp, _written_token_mean, torch.optim.SGD(ddp.parameters(), lr=0.5), backend="eager",
+                               micro_batches=micro_batches, micro_batch_weights="tokens")
+        for x, y in zip(*_tokenless_batches(empty)):
+            step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        torch.save([p.detach() for p in model.parameters()], f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.parametrize("micro_batches,empty", [(1, "process"), (2, "process"), (2, "micro-batch")])
+def test_a_process_or_micro_batch_without_tokens_trains_a_written_out_token_mean_as_one_process(
+        micro_batches, empty, tmp_path):
+    """A hand-written token mean (0/0 where a part holds no token) weighed by tokens under DDP: a process whose
+    rows, or one of whose micro-batches, hold no token still joins the step, with nothing of its own, and both
+    replicas end at one process's eager SGD steps on the whole batch (float64).  It used to send the part's
+    NaN into every replica."""
+    out = str(tmp_path / "tokenless")
+    mp.spawn(_tokenless_worker, args=(2, _free_port(), out, micro_batches, empty), nprocs=2, join=True)
+    model = _model().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for x, y in zip(*_tokenless_batches(empty)):
+        _written_token_mean(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        for p, q in zip(torch.load(f"{out}.{r}"), model.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-9, atol=1e-12)
+
+
 def _full_batches() -> list[torch.Tensor]:
     """STEPS batches of 8 unpadded rows of 12 tokens: both halves hold as many label tokens, so DDP's average
     of the two token means is the whole batch's."""

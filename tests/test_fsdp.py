@@ -177,6 +177,49 @@ def test_fsdp2_trains_like_one_process_on_the_whole_batch(tmp_path, compiled):
         assert (p - q).norm() <= 1e-5 * q.norm() + 1e-7
 
 
+def _written_token_mean(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A token mean over the outputs' WIDTH classes, written out as users write one: 0/0 without tokens."""
+    mask = y.ne(-100)
+    ce = nn.functional.cross_entropy(out.transpose(1, 2), y.clamp_min(0), reduction="none")
+    return (ce * mask).sum() / mask.sum()
+
+
+def _tokenless_steps(rank: int, world: int, out: str) -> None:
+    """Three steps of a written-out token mean, whose first process's first micro-batch holds no token: two
+    micro-batches a step, sharded (every process runs both, their all-gathers paired), else the whole batch
+    eagerly."""
+    import comera_compile as cc
+
+    model = _shard(_encoder(), compiled=False) if world > 1 else _encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    step = cc.compile_step(model, _written_token_mean, opt, backend="eager", micro_batches=2,
+                           micro_batch_weights="tokens") if world > 1 else None
+    g = torch.Generator().manual_seed(5)
+    per = BATCH // world
+    for _, x, _ in _batches(3):
+        y = torch.randint(0, WIDTH, (BATCH, SEQ), generator=g)
+        y[:2], y[5, 2:] = -100, -100
+        if step is not None:
+            step(x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per])
+            continue
+        _written_token_mean(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    params = _full(model)
+    if rank == 0:
+        torch.save(params, out)
+
+
+def test_a_micro_batch_without_tokens_on_one_process_trains_as_one_process(tmp_path):
+    """Under FSDP2 every process runs as many forwards (each an all-gather) as the others: a micro-batch without
+    tokens on one process only is run with nothing of its own, not left out (which left its peer waiting on an
+    all-gather until the collective timed out), and the step is one process's on the whole batch."""
+    _spawn(_tokenless_steps, 2, str(tmp_path / "fsdp"))
+    _spawn(_tokenless_steps, 1, str(tmp_path / "one"))
+    for p, q in zip(torch.load(tmp_path / "fsdp"), torch.load(tmp_path / "one")):
+        assert torch.isfinite(p).all() and (p - q).norm() <= 1e-5 * q.norm() + 1e-7
+
+
 def _float16_steps(rank: int, world: int, out: str) -> None:
     """compile_step at float16 autocast (its own GradScaler) on the sharded encoder: step 0 trains, step 1
     overflows on process 0 only (its rows scaled by 1e6), step 2 trains.  Rank 0 saves the full parameters
