@@ -252,3 +252,33 @@ def test_torch_export_of_a_tempo_model_matches_the_eager_model(grad, monkeypatch
     with torch.set_grad_enabled(grad):
         program = torch.export.export(tempo(copy.deepcopy(train_base)), (x, mask))
     close(program.module()(x, mask), train_base(x, mask), torch.float32)
+
+
+def _graph_sizes(fn, *args) -> list[int]:
+    """The node counts of the graphs torch.compile captures for fn(*args)."""
+    sizes: list[int] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        sizes.append(len(gm.graph.nodes))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return sizes
+
+
+def test_gelu_tables_are_built_before_a_compiled_forward_and_never_traced(monkeypatch):
+    """A Tempo GELU's tables (180 steps of float64 loops) are built when a pass swaps it in, so torch.compile of
+    cc.tempo(model) finds them built; a direct call of the op under torch.compile builds them eagerly,
+    outside the trace.  Traced, their loops became graphs of thousands of nodes that took Inductor more than
+    nine minutes."""
+    monkeypatch.setattr(gelu_module, "_INVERSES", {})
+    model = tempo(nn.Sequential(nn.Linear(8, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 2)).double())
+    assert set(gelu_module._INVERSES) == {"tanh"}   # built by the swap, before any forward
+    monkeypatch.setattr(gelu_module, "_INVERSES", {})
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    sizes = _graph_sizes(lambda t: gelu(t @ t.T).sum(), x)
+    assert set(gelu_module._INVERSES) == {"none"} and max(sizes) < 200, sizes
+    torch._dynamo.reset()
+    want = model(x)
+    torch.testing.assert_close(torch.compile(model, backend="eager")(x), want)

@@ -12,8 +12,9 @@ followed by dropout is fused: it keeps the dropout output (what the next layer k
 mask as bits and the branch bits.  float32 and float64 take these paths; bfloat16 and float16 GELU then
 dropout keeps the input, as GELU does, and the mask as bits (inverting GELU from a 16-bit output would not
 give torch's gradient to 16-bit precision); GELU alone at other dtypes runs torch's op (with a warning,
-once).  No-grad, eval (training=False, or a module in eval) and torch.export run the original ops, and no
-table is built until a Tempo backward needs one.
+once).  No-grad, eval (training=False, or a module in eval) and torch.export run the original ops.  A form's
+tables are built once, eagerly, when a Tempo pass swaps a GELU in (prepare_tables), else on first use; never
+inside a torch.compile trace.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, boxed_vari
                                          exporting, forward_chunk, may_box, new_buffer_backward,
                                          plain_ops)
 
-__all__ = ["gelu", "gelu_dropout"]
+__all__ = ["gelu", "gelu_dropout", "prepare_tables"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -206,8 +207,22 @@ def _inverse(approximate: str) -> _GeluInverse:
     """The tables for a GELU form, built on first use (float64 work: only inside a Tempo forward)."""
     _check_form(approximate)
     if approximate not in _INVERSES:
-        _INVERSES[approximate] = _GeluInverse(approximate)
+        _INVERSES[approximate] = _build_tables(approximate)
     return _INVERSES[approximate]
+
+
+@torch.compiler.disable
+def _build_tables(approximate: str) -> _GeluInverse:
+    """Tables built eagerly, never traced: dynamo would unroll their 180 loop steps into graphs that take
+    Inductor many minutes (the passes build them beforehand, prepare_tables, so a trace finds them built)."""
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        return _GeluInverse(approximate)
+
+
+def prepare_tables(approximate: str) -> None:
+    """Build a GELU form's tables now, outside any trace: the Tempo passes call it as they swap a GELU in, so
+    that torch.compile of the result never meets the build."""
+    _inverse(approximate)
 
 
 def _gelu_side_info(x: torch.Tensor, inv: _GeluInverse, keep_bits: torch.Tensor | None,

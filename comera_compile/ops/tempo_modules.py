@@ -12,7 +12,7 @@ from torch import nn
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, exporting, plain_ops
-from comera_compile.ops.gelu import gelu, gelu_dropout
+from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
 
 __all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "tempo_dropout",
@@ -35,7 +35,12 @@ def tempo_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> tor
 
 
 class TempoGELU(nn.GELU):
-    """nn.GELU keeping its output (and a bit per element) for backward instead of its input; in eval, nn.GELU."""
+    """nn.GELU keeping its output (and a bit per element) for backward instead of its input; in eval, nn.GELU.
+    Its form's tables are built with the module (prepare_tables), not in a forward torch.compile traces."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__(approximate)
+        prepare_tables(approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training:
@@ -51,6 +56,7 @@ class TempoGELUDropout(nn.GELU):
     def __init__(self, p: float = 0.5, approximate: str = "none") -> None:
         super().__init__(approximate)
         self.p = p
+        prepare_tables(approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_dropout(x, self.p, self.training, self.approximate)

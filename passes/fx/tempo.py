@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
-from comera_compile.ops.gelu import gelu, gelu_dropout
+from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import (TEMPO_MODULES, module_attention, module_dropout, module_gelu,
                                               module_gelu_dropout, module_layer_norm, tempo_dropout)
@@ -267,6 +267,7 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
             summary.kept[_where(node)] = "gelu whose output is then modified in place (Tempo keeps the output)"
             continue
         if form is not None and _input(node) is not None:
+            prepare_tables(form)   # now, not inside a forward torch.compile would trace
             x = _input(node)
             user = _single_user(node)
             d = _as_dropout(gm, user, summary) if (dropout and user is not None) else None
