@@ -313,3 +313,43 @@ def test_a_softmax_dtype_given_by_position_keeps_the_softmax():
     assert "attention" not in gm.tempo_summary.counts()
     x, v = torch.randn(4, 4), torch.randn(4, 4, dtype=torch.float64)
     assert gm(x, v).dtype == torch.float64
+
+
+class _PostNorm(nn.Module):
+    """Linear -> GELU -> Linear with a residual LayerNorm: each pass has a site."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down, self.norm = nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.LayerNorm(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(self.act(self.up(x))))
+
+
+def test_tempo_graph_then_expand_contractions_computes_the_model():
+    """The passes compose in either order: expand_contractions after tempo_graph propagates shapes through
+    Tempo's ops (it used to fail on fake tensors at LayerNorm's data-dependent nonzero), and the result gives
+    the model's outputs and gradients (float64)."""
+    import comera_compile as cc
+    from comera_compile.passes.fx.contraction import expand_contractions
+
+    torch.manual_seed(0)
+    base = cc.tensorize(_PostNorm(), rank=8, min_features=32, trace=True).double()
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    g = torch.randn(2, 5, 64, dtype=torch.float64)
+
+    def run(model: nn.Module) -> list[torch.Tensor]:
+        xx = x.clone().requires_grad_()
+        model.zero_grad(set_to_none=True)
+        y = model(xx)
+        y.backward(g)
+        return [y.detach(), xx.grad, *(p.grad for p in model.parameters())]
+
+    want = run(base)
+    for first in ("tempo", "expand"):
+        gm = copy.deepcopy(base)
+        passes = [tempo_graph, lambda m: expand_contractions(m, (x,))]
+        counts = [p(gm).count for p in (passes if first == "tempo" else passes[::-1])]
+        assert all(counts), (first, counts)
+        for got, ref in zip(run(gm), want, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)

@@ -32,7 +32,9 @@ def _propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[object]
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    FakeTensorProp(gm, mode).propagate(*fake)
+    # shapes only: without grad, Tempo's ops run torch's (their saved-tensor bookkeeping reads values)
+    with torch.no_grad():
+        FakeTensorProp(gm, mode).propagate(*fake)
 
 
 def _si(x: float) -> str:
