@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import inspect
 import operator
-from typing import Any
+import warnings
+from typing import Any, Sequence
 
 import torch
 from torch.fx.passes.infra.pass_base import PassResult
 
-__all__ = ["GraphPassResult", "node_value", "node_shape", "lifted_tensor", "calls_in_place"]
+__all__ = ["GraphPassResult", "node_value", "node_shape", "lifted_tensor", "calls_in_place", "propagate_values",
+           "ensure_values"]
 
 
 class GraphPassResult(PassResult):
@@ -53,6 +55,32 @@ def node_shape(node: object) -> tuple[int, ...] | None:
         return tuple(val.shape)
     tm = node.meta.get("tensor_meta") if isinstance(node, torch.fx.Node) else None
     return tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None
+
+
+def propagate_values(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> None:
+    """Record every node's fake value (meta["val"]) by running example_inputs through the graph as fake
+    tensors.  Without grad: only shapes and dtypes are wanted, and there Tempo's ops run torch's (their
+    saved-tensor bookkeeping has sizes that depend on values, which fake tensors cannot give)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    with torch.no_grad():
+        FakeTensorProp(gm, mode).propagate(*fake)
+
+
+def ensure_values(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None, name: str) -> bool:
+    """Whether gm's nodes carry the fake values a pass reads: dynamo's graphs do; a torch.fx trace gets them
+    from example_inputs (propagate_values).  Without either, warns that the pass `name` rewrote nothing."""
+    if any(node_value(n) is not None for n in gm.graph.nodes):
+        return True
+    if example_inputs is not None:
+        propagate_values(gm, example_inputs)
+        return True
+    warnings.warn(f"{name}: the graph's nodes carry no values (a torch.fx trace), so it rewrote nothing; pass "
+                  f"example_inputs (as for gm(*example_inputs)) to have them propagated", stacklevel=3)
+    return False
 
 
 def lifted_tensor(node: torch.fx.Node) -> torch.Tensor | None:

@@ -57,3 +57,21 @@ def test_materialize_is_a_copy():
     t = torch.arange(6).reshape(2, 3)
     c = materialize(t)
     assert torch.equal(c, t) and c.data_ptr() != t.data_ptr()
+
+
+class _Masked(torch.nn.Module):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x * mask.float()
+
+
+def test_a_torch_fx_trace_is_routed_given_example_inputs_and_warned_about_without():
+    """A torch.fx trace carries no values: with example_inputs the pass propagates them and routes the cast
+    (values unchanged); without, it says it rewrote nothing instead of returning a silent 0."""
+    import pytest
+
+    x, mask = torch.randn(2, 3, dtype=torch.float64), (torch.rand(2, 3) > 0.5).long()
+    gm = torch.fx.symbolic_trace(_Masked())
+    assert materialize_int_casts(gm, (x, mask)).count == 1
+    torch.testing.assert_close(gm(x, mask), x * mask.to(x.dtype), rtol=0, atol=0)
+    with pytest.warns(UserWarning, match="materialize_int_casts: the graph's nodes carry no values"):
+        assert materialize_int_casts(torch.fx.symbolic_trace(_Masked())).count == 0

@@ -17,24 +17,13 @@ from typing import Sequence
 import torch
 import torch.fx
 import torch.nn.functional as F
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from comera_compile import networks
 from comera_compile.layers import TTLinear
-from comera_compile.passes import GraphPassResult, node_shape
+from comera_compile.passes import GraphPassResult, node_shape, propagate_values
 from comera_compile.tt import gemm_core_padding
 
 __all__ = ["expand_contractions"]
-
-
-def _propagate_shapes(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
-    # shapes only: without grad, Tempo's ops run torch's (their saved-tensor bookkeeping reads values)
-    with torch.no_grad():
-        FakeTensorProp(gm, mode).propagate(*fake)
 
 
 def _si(x: float) -> str:
@@ -85,7 +74,7 @@ def expand_contractions(gm: torch.fx.GraphModule, example_inputs: Sequence[objec
             raise ValueError("expand_contractions needs the input shapes: pass example_inputs (real or fake "
                              "tensors, as for gm(*example_inputs)), or a graph whose nodes carry "
                              "meta['val'] as dynamo's and AOTAutograd's do")
-        _propagate_shapes(gm, example_inputs)
+        propagate_values(gm, example_inputs)
     graph = gm.graph
     comments: dict[str, str] = {}
     for node in tt_nodes:

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from comera_compile.ops.materialize import OPAQUE_COPY
-from comera_compile.passes import GraphPassResult, node_value
+from comera_compile.passes import GraphPassResult, ensure_values, node_value
 
 __all__ = ["materialize_int_casts"]
 
@@ -29,8 +29,10 @@ def materialize_int_casts(gm: torch.fx.GraphModule, example_inputs: Sequence[obj
                           ) -> GraphPassResult:
     """Route every cast of an integer or bool tensor to a floating dtype through materialize, in place,
     so Inductor converts each element once instead of in every kernel the result is broadcast into.
-    Needs the fake values dynamo records (node.meta["example_value"]); the count is how many were routed
-    (example_inputs is accepted, as by every fx pass, and not needed)."""
+    Reads the fake values dynamo records (node.meta["example_value"]); a torch.fx trace gets them from
+    example_inputs (without either it warns and rewrites nothing).  The count is how many were routed."""
+    if not ensure_values(gm, example_inputs, "materialize_int_casts"):
+        return GraphPassResult(gm, 0)
     count = 0
     for node in list(gm.graph.nodes):
         is_cast = ((node.op == "call_method" and node.target in _CAST_METHODS)

@@ -30,7 +30,8 @@ import torch.fx
 
 from comera_compile.layers import TTLayer
 from comera_compile.logs import _owner
-from comera_compile.passes import GraphPassResult, calls_in_place, lifted_tensor, node_shape, node_value
+from comera_compile.passes import (GraphPassResult, calls_in_place, ensure_values, lifted_tensor, node_shape,
+                                   node_value)
 
 __all__ = ["batch_siblings"]
 
@@ -367,9 +368,11 @@ def _groups(nodes: Sequence[torch.fx.Node]) -> dict[tuple, list[torch.fx.Node]]:
 
 def batch_siblings(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
     """Contract products of one activation together, and alike layers' core products (module docstring), in
-    place; the count is how many groups share: siblings reading one activation, and sets of alike layers
-    (example_inputs is accepted, as by every fx pass, and not needed: the pass reads the fake values
-    dynamo records, and leaves a graph without them alone)."""
+    place; the count is how many groups share: siblings reading one activation, and sets of alike layers.
+    Reads the fake values dynamo records; a torch.fx trace gets them from example_inputs (without either it
+    warns and rewrites nothing)."""
+    if not ensure_values(gm, example_inputs, "batch_siblings"):
+        return GraphPassResult(gm, 0)
     g = _Graph(gm)
     count = 0
     for members in _groups(list(gm.graph.nodes)).values():
