@@ -325,6 +325,21 @@ def test_graph_pass_swaps_modules_and_calls():
     torch.testing.assert_close(gm.drop(x), x)
 
 
+class _TwiceDropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(x) + self.drop(x * 2)
+
+
+def test_graph_pass_counts_each_call_of_a_module_called_twice():
+    """The count is the sites rewritten: one nn.Dropout called twice is two, as the backend's log says."""
+    gm = torch.fx.symbolic_trace(_TwiceDropped())
+    assert fast_dropout(gm).count == 2 and isinstance(gm.drop, HashDropout)
+
+
 def test_backend_runs_the_pass_by_default(monkeypatch):
     import comera_compile  # noqa: F401  (registers the backend)
 

@@ -24,9 +24,9 @@ _FUNCTIONAL = (F.dropout, torch.dropout)
 
 def fast_dropout(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
     """Replace gm's dropouts -- F.dropout / torch.dropout calls and nn.Dropout submodules -- by hash
-    dropout, in place; the count is how many were replaced.  example_inputs is accepted, as by every fx
+    dropout, in place; the count is how many calls were replaced (a module called twice counts twice).  example_inputs is accepted, as by every fx
     pass, and not needed."""
-    count, calls = 0, []
+    count, calls, swapped = 0, [], set()   # swapped: the modules replaced here (one may be called twice)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL:
             if node.target is torch.dropout and "train" in node.kwargs:  # torch.dropout(input, p, train)
@@ -36,9 +36,12 @@ def fast_dropout(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | No
             node.target = hash_dropout
             calls.append(node)
             count += 1
+        elif node.op == "call_module" and node.target in swapped:
+            count += 1
         elif node.op == "call_module":
             mod = gm.get_submodule(node.target)
             if type(mod) is nn.Dropout:
+                swapped.add(node.target)
                 new = HashDropout(mod.p, mod.inplace)
                 new.train(mod.training)
                 parent, _, name = node.target.rpartition(".")
