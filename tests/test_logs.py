@@ -228,6 +228,36 @@ def test_inspect_prints_the_compiled_graph_of_a_transformers_model(factory, tmp_
         assert f"[{name}]" in out, name
 
 
+_NEEDS_INPUTS = textwrap.dedent("""
+    import torch
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(x) if x.dim() > 1 else x   # torch.fx cannot trace the branch on x
+
+    def net():
+        return Net()
+""")
+
+
+def test_inspect_asked_for_the_dynamo_graph_without_inputs_fails_saying_what_to_pass(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """--graph dynamo is a graph asked for: where it cannot be shown (no --input), the command fails saying
+    what to pass, instead of a comment and exit status 0; at --graph auto the comment stays."""
+    from comera_compile.cli import main
+
+    (tmp_path / "own_nets.py").write_text(_NEEDS_INPUTS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit, match=r"--graph dynamo: Net needs example inputs.*--input SHAPE"):
+        main(["inspect", "own_nets:net", "--rank", "4", "--graph", "dynamo"])
+    assert main(["inspect", "own_nets:net", "--rank", "4"]) == 0
+    assert "# no graph: Net needs example inputs" in capsys.readouterr().out
+
+
 def test_readme_seeing_section_commands_are_ones_the_cli_takes():
     """Every comera-compile command of the README's "Seeing what it did" block parses (a bracket is
     notation for an optional argument, dropped); the TORCH_LOGS names are the package's module name."""

@@ -134,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
     shown = shown and _show_fx(tt)
     if not shown and args.graph != "fx":
         call = _example_call(tt, args)
+        need = (f"{type(model).__name__} needs example inputs for torch.compile's graph; pass --input "
+                f"SHAPE[:DTYPE] once per forward argument (e.g. --input 2x128:long)")
+        if call is None and args.graph == "dynamo":   # the graph asked for cannot be shown: an error
+            raise SystemExit(f"comera-compile inspect: --graph dynamo: {need}")
         if call is None:
-            print(f"# no graph: {type(model).__name__} needs example inputs for torch.compile's graph; pass "
-                  f"--input SHAPE[:DTYPE] once per forward argument (e.g. --input 2x128:long)\n")
+            print(f"# no graph: {need}\n")
         else:
             _show_dynamo(tt, call)
     print(cc.explain(tt, rows=args.rows))
