@@ -353,3 +353,17 @@ def test_tempo_graph_then_expand_contractions_computes_the_model():
         assert all(counts), (first, counts)
         for got, ref in zip(run(gm), want, strict=True):
             torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_tempo_graph_after_fast_dropout_lists_the_hash_dropouts_it_leaves():
+    """fast_dropout first turns the dropouts into hash dropouts, which Tempo does not fuse: GELU alone is
+    rewritten and the summary names the dropout kept, instead of leaving it out in silence."""
+    from comera_compile.passes.fx.dropout import fast_dropout
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Dropout(0.1))
+    gm = torch.fx.symbolic_trace(model)
+    assert fast_dropout(gm).count == 1
+    result = tempo_graph(gm)
+    assert result.count == 1 and any("fast_dropout ran first" in why for why in result.summary.kept.values())
+    fused = tempo_graph(torch.fx.symbolic_trace(model))
+    assert fused.count == 1 and "gelu+dropout" in " ".join(fused.summary.replaced.values())

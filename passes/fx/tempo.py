@@ -19,6 +19,7 @@ from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
+from comera_compile.ops.hash_dropout import HashDropout, hash_dropout
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import (TEMPO_MODULES, module_attention, module_dropout, module_gelu,
                                               module_gelu_dropout, module_layer_norm, tempo_dropout)
@@ -106,6 +107,9 @@ class _DropoutSite:
 
 def _as_dropout(gm: torch.fx.GraphModule, node: torch.fx.Node, summary: TempoSummary) -> _DropoutSite | None:
     mod = _module(gm, node)
+    if isinstance(mod, HashDropout) or node.op == "call_function" and node.target is hash_dropout:
+        summary.kept[_where(node)] = "hash dropout (fast_dropout ran first; Tempo fuses torch's dropouts)"
+        return None
     if mod is not None:
         if type(mod) is not nn.Dropout:
             return None
