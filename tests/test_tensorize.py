@@ -620,7 +620,7 @@ def test_frozen_layers_stay_frozen_and_rank_adaptive_leaves_them_alone():
     model = _Mlp()
     model.emb.requires_grad_(False)
     model.up.requires_grad_(False)
-    tt = cc.tensorize(model, rank=8, min_features=1)
+    tt = cc.tensorize(model, rank=8, min_features=1, init="svd")   # init="random" keeps frozen layers dense
     frozen = {n for n, p in tt.named_parameters() if not p.requires_grad}
     assert frozen == {n for n, _ in tt.named_parameters() if n.startswith(("emb.", "up."))}
     opt = torch.optim.AdamW([p for p in tt.parameters() if p.requires_grad], lr=1e-2)
@@ -645,7 +645,7 @@ def test_frozen_layers_stay_frozen_and_rank_adaptive_leaves_them_alone():
     assert ra.cut() > 0 and set(ra.layers) == {"down"}
     assert tt.down.ranks[2] == 8 - 3 and tt.up.ranks == ranks
     with pytest.raises(ValueError, match="every TT layer of _Mlp is frozen"):
-        cc.RankAdaptive(cc.tensorize(model.requires_grad_(False), rank=8, min_features=1))
+        cc.RankAdaptive(cc.tensorize(model.requires_grad_(False), rank=8, min_features=1, init="svd"))
 
 
 def test_a_frozen_weight_beside_a_trainable_bias_is_kept_by_rank_adaptive_and_densify():
@@ -656,7 +656,7 @@ def test_a_frozen_weight_beside_a_trainable_bias_is_kept_by_rank_adaptive_and_de
     model = _Mlp()
     model.up.weight.requires_grad_(False)
     model.down.bias.requires_grad_(False)
-    tt = cc.tensorize(model, rank=8, min_features=1)
+    tt = cc.tensorize(model, rank=8, min_features=1, init="svd")
     weight = tt.up.to_dense().detach().clone()
     bias = tt.up.bias.detach().clone()
     opt = torch.optim.AdamW([p for p in tt.parameters() if p.requires_grad], lr=1e-2)
@@ -673,6 +673,58 @@ def test_a_frozen_weight_beside_a_trainable_bias_is_kept_by_rank_adaptive_and_de
     dense = cc.densify(tt)
     assert {n: p.requires_grad for n, p in dense.named_parameters()} == {
         n: p.requires_grad for n, p in model.named_parameters()}
+
+
+def test_a_frozen_layer_keeps_its_values_under_init_random_and_is_factored_under_svd():
+    """A frozen table (Whisper's sinusoidal encoder positions: an nn.Embedding with requires_grad=False) stays
+    dense at init="random", its rows as they were, with a warning: random cores would replace them for good.
+    Named in include it is an error; init="svd" factors it (exact at full rank) and keeps it frozen."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    model.emb.requires_grad_(False)
+    table = model.emb.weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"kept 1 frozen layer\(s\) dense \(emb\).*init='svd'"):
+        tt = cc.tensorize(model, rank=8, min_features=1)
+    assert type(tt.emb) is nn.Embedding and torch.equal(tt.emb.weight, table) and isinstance(tt.up, TTLinear)
+    assert "frozen" in tt.comera_summary.kept_dense["emb"]
+    with pytest.raises(cc.TensorizeError, match=r"'emb' with init='random': its weight is frozen"):
+        cc.tensorize(model, rank=8, min_features=1, include="emb")
+    svd = cc.tensorize(model, rank=10**6, min_features=1, init="svd")
+    ids = torch.randint(0, 100, (4, 6))
+    assert isinstance(svd.emb, TTEmbedding) and not any(p.requires_grad for p in svd.emb.parameters())
+    torch.testing.assert_close(svd.emb(ids), F.embedding(ids, table), rtol=1e-5, atol=1e-5)
+
+
+class _Experts(nn.Module):
+    """Mixture-of-experts weights as transformers 5 stores them: one 3-D Parameter per projection."""
+
+    def __init__(self, experts: int = 8, width: int = 64, hidden: int = 256) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, hidden, width) / width ** 0.5)
+        self.down = nn.Parameter(torch.randn(experts, width, hidden) / hidden ** 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.router(x).softmax(-1)
+        h = torch.einsum("bw,ehw->beh", x, self.up).relu()
+        return torch.einsum("beh,ewh,be->bw", h, self.down, gate)
+
+
+def test_weights_held_as_plain_parameters_are_named_as_kept_dense_and_warned_when_they_are_most_of_the_model():
+    """tensorize rewrites layers: MoE experts held as 3-D Parameters stay dense, and the summary, cc.explain
+    and a warning (they are most of the model) say so, instead of a result that looks compressed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), _Experts(), nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match=r"kept 2 weight\(s\) dense .*1\.up \(8x256x64\).*9\d% of the model"):
+        tt = cc.tensorize(model, rank=8)
+    kept = tt.comera_summary.kept_dense
+    assert set(kept) >= {"1.up", "1.down"} and "Parameter of _Experts" in kept["1.up"]
+    assert "1.up" in str(cc.explain(tt)) and isinstance(tt[0], TTLinear)
+    torch.testing.assert_close(tt[1].up, model[1].up)
+    small = nn.Sequential(*(nn.Linear(512, 512) for _ in range(3)), _Experts(experts=1, width=512, hidden=64))
+    with warnings.catch_warnings():   # 8% of the model: listed, not warned about
+        warnings.simplefilter("error")
+        assert "3.down" in cc.tensorize(small, rank=8).comera_summary.kept_dense
 
 
 class _LoRALinear(nn.Linear):
@@ -762,3 +814,21 @@ def test_torchscript_is_refused_or_kept_dense_and_a_call_that_rewrites_nothing_s
     assert not small.comera_summary.rewritten and type(small[0]) is nn.Linear
     with pytest.warns(UserWarning, match=r"its 1 TT layer\(s\) are tensorized already"):
         cc.tensorize(nn.Sequential(tt[0]))
+
+
+def test_densify_of_a_graph_whose_contractions_were_expanded_is_refused_and_leaves_it_working():
+    """densify swaps modules; a graph expand_contractions rewrote reads the TT cores itself, so a swapped-in
+    nn.Linear would leave those reads without their tensors (an AttributeError at the next call): refused,
+    naming the pass, and the graph still computes the model."""
+    from comera_compile.passes.fx.contraction import expand_contractions
+
+    torch.manual_seed(0)
+    gm = cc.tensorize(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)), rank=8, min_features=32,
+                      trace=True).double()
+    x = torch.randn(3, 64, dtype=torch.float64)
+    want = gm(x)
+    torch.testing.assert_close(cc.densify(gm)(x), want, rtol=1e-10, atol=1e-12)
+    assert expand_contractions(gm, (x,)).count == 2
+    with pytest.raises(ValueError, match=r"reads the cores of 2 TT layer\(s\).*expand_contractions"):
+        cc.densify(gm)
+    torch.testing.assert_close(gm(x), want, rtol=1e-10, atol=1e-12)

@@ -17,9 +17,10 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from comera_compile.layers import TTLayer
 from comera_compile.passes.module.options import (PRESETS, LayerShape, Options, TensorizeError, as_shape,
                                                   check_options, layer_kind, matches)
+from comera_compile.passes.module.notices import (FROZEN, frozen_warning, kept_dense_warnings, nothing_rewritten,
+                                                  plain_weights, plain_weights_warning)
 from comera_compile.passes.module.outside import held_outside, tied_outside
 from comera_compile.tt import TTSpec, make_spec
 
@@ -211,6 +212,12 @@ def _keep_dense_reason(model: nn.Module, names: Sequence[str], mod: nn.Module, k
     weight_reason = _weight_reason(mod)
     if weight_reason is not None and explicit:
         raise TensorizeError(f"cannot tensorize {name!r}: {weight_reason}; exclude it")
+    if weight_reason is None and opts.init == "random" and not mod.weight.requires_grad:
+        if explicit:
+            raise TensorizeError(f"cannot tensorize {name!r} with init='random': its weight is frozen "
+                                 f"(requires_grad=False), and random TT cores would replace the values it holds "
+                                 f"for good; pass init='svd' to factor them, or exclude it")
+        return FROZEN
     lazy = nn.parameter.is_lazy(mod._parameters.get("weight"))
     if opts.shaped_only and shape is None:
         return f"no shape for {dims} in the preset"
@@ -264,6 +271,7 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
     custom: list[str] = []  # kept dense: a subclass with its own forward, or a weight computed by hooks
     options: list[str] = []  # kept dense: embeddings with options the TT embeddings lack
     scripted: list[str] = []  # kept dense: layers inside a torch.jit.script / trace submodule
+    frozen: list[str] = []  # kept dense: frozen layers whose values init="random" would replace
     used_shapes: set = set()
     seen: dict[str, tuple[int, int]] = {}
     for name, mod in model.named_modules():
@@ -297,6 +305,8 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                 custom.append(f"{name} ({type(mod).__name__}: {reason.split(', which')[0]})")
             elif reason.startswith("uses "):
                 options.append(f"{name} ({reason.split(', which')[0][5:]})")
+            elif reason == FROZEN:
+                frozen.append(name)
             continue
         rank = shape.rank if shape is not None and shape.rank is not None else opts.rank
         spec = _spec(mod, kind, rank, shape, opts.d, name)
@@ -314,10 +324,13 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
             summary.rewritten[n] = f"{_TT_CLASS[kind]} (from {type(mod).__name__})"
 
     _unused_shapes(opts.asked_shapes, used_shapes, seen)
+    plain = plain_weights(model, opts.min_features)
+    summary.kept_dense.update(plain)
     if opts.include is not None and not rewrites:
         raise TensorizeError(f"include {opts.include} selects no layer that can be tensorized "
                              f"({len(summary.kept_dense)} candidates kept dense: {summary.kept_dense})")
-    warned = _warnings(summary, opts.tied, tied_groups, grown, bigger, custom)
+    warned = kept_dense_warnings(summary, opts.tied, tied_groups, grown, bigger, custom)
+    warned += [w for w in (frozen_warning(frozen) if frozen else None, plain_weights_warning(model, plain)) if w]
     if options:
         warned.append(f"tensorize: kept {len(options)} embedding(s) dense whose nn.Embedding options the TT "
                       f"embeddings do not support ({'; '.join(options[:4])}{'; ...' if len(options) > 4 else ''}).")
@@ -338,51 +351,9 @@ def select_layers(model: nn.Module, opts: Options) -> Selection:
                       f"({'; '.join(scripted[:4])}{'; ...' if len(scripted) > 4 else ''}), whose layers cannot "
                       f"be replaced: tensorize the eager modules before torch.jit.script / trace.")
     if not rewrites:
-        warned.append(_nothing_rewritten(model, summary))
+        warned.append(nothing_rewritten(model, summary))
     return Selection(rewrites, names_of, summary, warned)
 
 
 # The classes whose TorchScript copies (``original_name``) would have been rewritten as eager modules.
 _SCRIPTED_KINDS = frozenset({"Linear", "Embedding", "EmbeddingBag", "Conv1D"})
-
-
-def _nothing_rewritten(model: nn.Module, summary: TensorizeSummary) -> str:
-    """The warning for a call that rewrites no layer: the model comes back dense, and the user should know."""
-    if summary.kept_dense:
-        reasons = "; ".join(f"{n}: {r}" for n, r in list(summary.kept_dense.items())[:3])
-        more = "; ..." if len(summary.kept_dense) > 3 else ""
-        return (f"tensorize: rewrote no layer; the model stays dense ({len(summary.kept_dense)} kept dense: "
-                f"{reasons}{more}).  See the result's comera_summary; a smaller min_features or rank, or an "
-                f"explicit shape, rewrites small layers.")
-    tt = sum(isinstance(m, TTLayer) for m in model.modules())
-    found = f"its {tt} TT layer(s) are tensorized already" if tt else (
-        "it has no nn.Linear, nn.Embedding, nn.EmbeddingBag or transformers Conv1D")
-    return f"tensorize: rewrote no layer of {type(model).__name__}: {found}."
-
-
-def _warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],
-              bigger: list[str], custom: list[str]) -> list[str]:
-    """The warnings a selection gives (tied groups, layers kept dense or grown by their TT form); records
-    the untied groups in the summary."""
-    out = []
-    if tied_groups:
-        groups = "; ".join(sorted(set(tied_groups)))
-        if tied == "untie":
-            summary.untied = sorted(set(tied_groups))
-            out.append(f"tensorize: {groups} shared one weight and are now UNTIED: each tensorizable one "
-                       f"got its own TT factorization (tied='untie').")
-        else:
-            out.append(f"tensorize: {groups} share one weight; left dense so they stay tied. Pass "
-                       f"tied='untie' to tensorize them separately (they then train independently).")
-    if grown:
-        out.append(f"tensorize: kept {len(grown)} layer(s) dense: at the default rank their TT form would "
-                   f"have no fewer parameters ({'; '.join(grown[:4])}{'; ...' if len(grown) > 4 else ''}). "
-                   f"Pass a smaller rank to tensorize them.")
-    if custom:
-        out.append(f"tensorize: kept {len(custom)} layer(s) dense whose class has its own forward, or whose "
-                   f"weight is not a plain parameter, which a TT layer would not compute "
-                   f"({'; '.join(custom[:4])}{'; ...' if len(custom) > 4 else ''}).")
-    if bigger:
-        out.append(f"tensorize: {len(bigger)} layer(s) are no smaller as TT at the rank or shape asked for "
-                   f"({'; '.join(bigger[:4])}{'; ...' if len(bigger) > 4 else ''}).")
-    return out

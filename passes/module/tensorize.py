@@ -231,6 +231,7 @@ def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     if isinstance(model, TTLayer):
         return _dense_layer(model, getattr(model, "comera_summary", None), "")
     layers = [(name, m) for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, TTLayer)]
+    _check_reads_no_cores(model, {name for name, _ in layers})
     summary = getattr(model, "comera_summary", None)
     built: dict[int, nn.Module] = {}
     biases: dict[int, nn.Parameter] = {}
@@ -253,6 +254,20 @@ def densify(model: nn.Module, *, inplace: bool = False) -> nn.Module:
     if not any(isinstance(m, TTLayer) for m in work.modules()):
         huggingface.detach(work)
     return work
+
+
+def _check_reads_no_cores(model: nn.Module, names: set[str]) -> None:
+    """Raise where a GraphModule's graph reads a TT layer's cores or gates itself (expand_contractions wrote
+    its products into the graph): swapping in a dense layer would leave those reads without their tensors."""
+    if not isinstance(model, torch.fx.GraphModule):
+        return
+    reads = sorted({n.target.rsplit(".", 2)[0] for n in model.graph.nodes if n.op == "get_attr"
+                    and n.target.count(".") >= 2 and n.target.rsplit(".", 2)[0] in names})
+    if reads:
+        raise ValueError(f"densify: the graph of {type(model).__name__} reads the cores of {len(reads)} TT layer(s) "
+                         f"itself ({', '.join(reads[:4])}{', ...' if len(reads) > 4 else ''}): "
+                         f"expand_contractions wrote their products into it.  Densify the model before "
+                         f"expanding its contractions.")
 
 
 def _dense_layer(layer: TTLayer, summary: TensorizeSummary | None, name: str) -> nn.Module:
