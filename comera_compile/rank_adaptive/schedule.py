@@ -245,7 +245,7 @@ class RankAdaptive(Reports):
 
     def trainer_callback(self) -> Any:
         """A transformers ``TrainerCallback`` running this hook inside ``Trainer`` (huggingface.py)."""
-        from ..huggingface import trainer_callback
+        from .trainer import trainer_callback
 
         return trainer_callback(self)
 
