@@ -22,6 +22,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -40,6 +41,9 @@ __all__ = ["WEIGHTS_NAME", "INDEX_NAME", "tt_layout", "save_pretrained", "attach
 
 WEIGHTS_NAME = "comera_model.pt"
 INDEX_NAME = "pytorch_model.bin.index.json"
+# transformers' own weight files (whole or sharded, and their indexes): an earlier dense save's, left in the
+# folder, would be what a plain from_pretrained loads in place of the TT checkpoint
+_TRANSFORMERS_WEIGHTS = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
 
 
 def tt_layout(model: nn.Module) -> dict[str, dict[str, Any]]:
@@ -69,13 +73,17 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, is_main
     WEIGHTS_NAME and the index the Trainer resumes from (INDEX_NAME).  Takes transformers' arguments, so the
     Trainer can call it: ``state_dict=`` is saved instead of the model's, a process with
     ``is_main_process=False`` writes nothing (the main one writes the folder), the serialization options are
-    ignored."""
+    ignored.  transformers' own weight files already in the folder are removed, as its save_pretrained
+    removes the shards it does not write again."""
     if not hasattr(model, "config") or not hasattr(model.config, "save_pretrained"):
         raise TypeError(f"save_pretrained needs a transformers model (with .config); for {type(model).__name__} "
                         f"save model.state_dict(): a freshly tensorized model loads it, ranks included")
     if not is_main_process:
         return
     os.makedirs(save_directory, exist_ok=True)
+    for name in os.listdir(save_directory):
+        if _TRANSFORMERS_WEIGHTS.fullmatch(name) and os.path.isfile(os.path.join(save_directory, name)):
+            os.remove(os.path.join(save_directory, name))
     model.config.comera_layout = tt_layout(model)
     untied = getattr(getattr(model, "comera_summary", None), "untied", None)
     if untied:

@@ -229,3 +229,20 @@ def test_save_pretrained_writes_nothing_on_a_process_that_is_not_the_main_one(tm
     assert not (tmp_path / "other").exists()
     model.save_pretrained(tmp_path / "main", is_main_process=True)
     assert "comera_model.pt" in os.listdir(tmp_path / "main")
+
+
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
+def test_save_pretrained_over_a_dense_save_leaves_no_dense_weights_behind(shard, tmp_path):
+    """Saving a tensorized model into a folder holding the dense model's save (its starting checkpoint, an
+    earlier run's output): transformers' weight files are removed, so a plain from_pretrained stops at the TT
+    checkpoint instead of returning the old dense weights, and a README text file of the user's stays."""
+    dense = FAMILIES["llama"]()
+    dense.save_pretrained(tmp_path, max_shard_size="20KB" if shard else "5GB")
+    (tmp_path / "NOTES.md").write_text("the user's own file")
+    model = _tensorized("llama")
+    model.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["NOTES.md", "comera_model.pt", "config.json", "generation_config.json", "pytorch_model.bin.index.json"])
+    with pytest.raises(KeyError):
+        type(dense).from_pretrained(tmp_path)
+    torch.testing.assert_close(_logits(cc.from_pretrained(type(dense), tmp_path).eval()), _logits(model.eval()))
