@@ -261,16 +261,16 @@ def _use_cache_position(module: nn.Module) -> int | None:
     return params.index("use_cache") if "use_cache" in params else None
 
 
-def _no_cache_unless_asked(position: int) -> Callable[..., tuple[tuple, dict]]:
-    def hook(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        if len(args) > position:
-            if args[position] is None:
-                args = (*args[:position], False, *args[position + 1:])
-        elif kwargs.get("use_cache") is None:
-            kwargs["use_cache"] = False
-        return args, kwargs
-
-    return hook
+def _no_cache_unless_asked(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
+                           position: int) -> tuple[tuple, dict]:
+    """The forward pre-hook: use_cache (argument `position`, or the keyword) False where the call leaves it
+    None.  A module-level function under functools.partial, so a hooked model pickles (torch.save(model))."""
+    if len(args) > position:
+        if args[position] is None:
+            args = (*args[:position], False, *args[position + 1:])
+    elif kwargs.get("use_cache") is None:
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def cache_off_by_default(model: nn.Module) -> int:
@@ -286,8 +286,8 @@ def cache_off_by_default(model: nn.Module) -> int:
     for module in model.modules():
         position = _use_cache_position(module)
         if position is not None and module.__dict__.get("_comera_cache_hook") is None:
-            module._comera_cache_hook = module.register_forward_pre_hook(_no_cache_unless_asked(position),
-                                                                         with_kwargs=True)
+            module._comera_cache_hook = module.register_forward_pre_hook(
+                functools.partial(_no_cache_unless_asked, position=position), with_kwargs=True)
             hooked += 1
     return hooked
 

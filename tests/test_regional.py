@@ -503,6 +503,24 @@ def test_cache_off_by_default_leaves_explicit_requests_and_generate_alone():
     assert model.config.use_cache
 
 
+def test_a_model_whose_cache_is_off_by_default_saves_whole_and_keeps_it_off():
+    """torch.save(model) (and copy.deepcopy, torch.multiprocessing's pickling) of a model cache_off_by_default
+    hooked: the hook pickles (a local closure did not), and the loaded model keeps its cache off."""
+    import io
+
+    model = _model("llama").eval()
+    cc.regional.cache_off_by_default(model)
+    x, _ = _batch()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    with torch.no_grad():
+        out = loaded(x)
+        assert out.past_key_values is None
+        torch.testing.assert_close(out.logits, model(x).logits, rtol=0, atol=0)
+    assert cc.regional.cache_off_by_default(loaded) == 0   # its hooks came with it
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
