@@ -54,19 +54,25 @@ def param_groups(model: nn.Module, lr: float = 5e-5, core_lr: float | None = Non
 FAST_KEY = "prefer_fast_implementation"
 
 
-def prefer_fast_implementation(optimizer: torch.optim.Optimizer) -> None:
+def prefer_fast_implementation(optimizer: torch.optim.Optimizer, model: nn.Module | None = None) -> None:
     """Switch param groups left at torch's default implementation (neither foreach nor fused chosen) to
     the fused one where the optimizer has it (Adam, AdamW, SGD, Adagrad: one vectorised kernel per
     tensor) and the parameters suit it, else to the multi-tensor (foreach) one.  Both compute the same
-    update as the default.  Groups naming an implementation are left alone.  RankAdaptive does this to the
-    optimizer it is given: hundreds of small TT cores make torch's default per-tensor loop the slow part
-    of an optimizer step.  The groups' FAST_KEY marks (param_groups) are removed."""
+    update as the default.  Groups naming an implementation (fused=False too) are left alone, and so are
+    groups holding a parameter of `model`'s embeddings with sparse gradients (sparse=True), which the fused
+    kernels refuse.  RankAdaptive does this to the optimizer it is given: hundreds of small TT cores make
+    torch's default per-tensor loop the slow part of an optimizer step.  The groups' FAST_KEY marks
+    (param_groups) are removed."""
     from torch.optim.optimizer import _device_dtype_check_for_fused
 
     fresh = not optimizer.state
+    sparse = {id(p) for m in (model.modules() if model is not None else ()) if getattr(m, "sparse", False) is True
+              for p in m.parameters(recurse=False)}
     for group in optimizer.param_groups:
         group.pop(FAST_KEY, None)
-        if group.get("foreach") is not None or group.get("fused"):
+        if group.get("foreach") is not None or group.get("fused") is not None:
+            continue
+        if any(id(p) in sparse for p in group["params"]):
             continue
         # fused kernels have no DTensor sharding rule (FSDP2's parameters): foreach there
         fused = (fresh and "fused" in group and not group.get("differentiable")

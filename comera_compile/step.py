@@ -221,7 +221,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         opt_step = compiled_optimizer_step(optimizer, owner, backend, without_cuda_graphs(kwargs, backend,
                                                                                            "optimizer"))
     else:
-        prefer_fast_implementation(optimizer)
+        prefer_fast_implementation(optimizer, model)
         opt_step = optimizer.step
         if scaling:
             fused_takes_the_scale(optimizer)

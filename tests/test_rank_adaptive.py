@@ -538,6 +538,39 @@ def test_attached_optimizer_gets_the_fast_implementation_with_the_same_updates()
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)  # float32 rounding, through the SVD of the cuts
 
 
+class _SparseLookup(nn.Module):
+    """A dense embedding with sparse gradients (kept dense by tensorize's exclude) before a TT layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(500, 64, sparse=True)
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(ids)).square().mean()
+
+
+@pytest.mark.parametrize("given", [{}, {"fused": False}])
+def test_the_fast_implementation_leaves_sparse_embeddings_and_an_explicit_fused_false_alone(given):
+    """Groups holding an embedding with sparse gradients keep torch's default (its fused SGD refuses sparse
+    gradients: the first step failed), and fused=False is a choice kept; the step is the plain loop's."""
+    torch.manual_seed(0)
+    model = cc.tensorize(_SparseLookup(), rank=4, exclude="emb")
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **given)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    RankAdaptive(model, optimizer=opt)
+    assert all(g.get("fused") is not True for g in opt.param_groups)
+    ids = torch.randint(0, 500, (8, 5))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):
+            m(ids).backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 def test_a_reallocation_without_the_optimizer_is_an_error_before_anything_is_cut():
     """An optimizer RankAdaptive was not given would train the old cores, silently: a re-allocation due in
     step() with none attached raises first, the model's Parameters untouched."""

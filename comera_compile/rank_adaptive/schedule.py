@@ -233,7 +233,7 @@ class RankAdaptive(Reports):
         scaler never called cannot: README, float16).  It takes its fast implementation; attached twice, once."""
         if optimizer is not self._stepper:
             self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
-            prefer_fast_implementation(self.optimizer)
+            prefer_fast_implementation(self.optimizer, self.model)
             watch_overflow(self.optimizer)
 
     def on_reallocate(self, fn: Callable[[RankAdaptive], Any]) -> RemovableHandle:
