@@ -99,12 +99,17 @@ def from_pretrained(model_class: Any, directory: str | os.PathLike, *, dtype: to
     transformers' from_pretrained loads a dense one: built from the config in `dtype` (default: the saved
     weights'; ``torch_dtype=`` is taken too), its layers swapped for TT layers at the recorded shapes and
     ranks, every weight loaded (strictly: a missing or unexpected key is an error), returned in eval mode.
+    Other keywords set the config's fields; one that is not a field is a TypeError, as in transformers.
     The model gets what tensorize gives one (comera's save_pretrained, resize_token_embeddings and, where
     layers were untied, tie_weights; ``comera_summary``), so it saves, resizes and ties as the saved one."""
     from comera_compile.passes.module.select import TensorizeSummary
 
     legacy = config_kwargs.pop("torch_dtype", None)
-    config = model_class.config_class.from_pretrained(directory, **config_kwargs)
+    config, unused = model_class.config_class.from_pretrained(directory, return_unused_kwargs=True, **config_kwargs)
+    if unused:   # transformers' loader raises on a keyword it does not take; the config's drops it silently
+        raise TypeError(f"from_pretrained got keyword argument(s) {sorted(unused)} that are neither dtype= nor "
+                        f"fields of {type(config).__name__}; transformers' loading options (device_map, "
+                        f"low_cpu_mem_usage, ...) are not supported: load, then move the model")
     layout = getattr(config, "comera_layout", None)
     path = os.path.join(directory, WEIGHTS_NAME)
     if layout is None or not os.path.exists(path):

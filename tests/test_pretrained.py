@@ -132,6 +132,17 @@ def test_from_pretrained_builds_in_the_saved_dtype_or_the_one_asked(tmp_path):
         cc.from_pretrained(type(model), tmp_path, dtype=torch.int64)
 
 
+def test_from_pretrained_sets_config_fields_and_refuses_other_keywords(tmp_path):
+    """Keywords set the config's fields, as transformers' from_pretrained does; a typo or one of transformers'
+    loading options (device_map) is an error naming it, not a keyword dropped in silence."""
+    model = _tensorized("llama")
+    model.save_pretrained(tmp_path)
+    assert not cc.from_pretrained(type(model), tmp_path, use_cache=False).config.use_cache
+    for bad in ({"not_a_field": 3}, {"device_map": "meta"}):
+        with pytest.raises(TypeError, match=f"\\['{next(iter(bad))}'\\] that are neither dtype= nor fields"):
+            cc.from_pretrained(type(model), tmp_path, **bad)
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_densify_keeps_the_untied_head_its_own_through_tie_weights_and_resize(name):
     """After tied='untie' the head trained apart from the embedding; densified, tie_weights and a resize
