@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import compiled_region, networks
+from . import compiled_region, networks, optim_state
 from .ops.buffers import exporting
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
@@ -190,10 +190,13 @@ class TTLayer(nn.Module):
                     f"{[tuple(c.shape[1:-1]) for c in self.cores]} at other ranks, or some cores or gates are "
                     f"missing: tensorize the model with the shapes it was saved with, and load every core and gate")
             else:
+                changed = []
                 for plist, saved in ((self.cores, cores), (self.gates, gates)):
                     for p, t in zip(plist, saved):
                         if t.shape != p.shape:
-                            p.data = p.data.new_empty(t.shape)
+                            changed.append((p, tuple(p.shape)))
+                            p.data, p.grad = p.data.new_empty(t.shape), None   # a gradient of the old shape
+                optim_state.reshaped(changed)   # an optimizer's state of the old shapes: an error at its step
                 self.spec = self.spec.with_ranks(ranks)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)

@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["replace", "replace_pruned", "rescale", "rescale_all", "restart", "restart_all", "index_select", "retire",
-           "SECOND_MOMENTS", "SCALE_POWERS"]
+           "reshaped", "SECOND_MOMENTS", "SCALE_POWERS"]
 
 # state[param] -> (state, old, new) -> the state `new` starts from
 Transform = Callable[[dict, torch.Tensor, torch.Tensor], dict]
@@ -204,34 +204,59 @@ def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:
     return transform
 
 
-# Parameters a cut replaced (by id, with a weak reference: tensors do not compare by identity).  An optimizer
-# that still steps one of them would train a tensor the model no longer uses, silently: retire's process-wide
-# pre-hook makes that an error, for any optimizer (one the package was never handed, a second one over the
-# gates, torch's LBFGS).
-_RETIRED: dict[int, "weakref.ref[torch.Tensor]"] = {}
-_CHECKING: list[Any] = []   # the process-wide hook's handle, once registered
+# Parameters marked for the process-wide step pre-hook below (by id, with a weak reference: tensors do not
+# compare by identity), with what the mark says: None for a parameter a cut replaced (retire), the shape
+# before for one a load reshaped in place (reshaped).
+_MARKS: dict[int, tuple["weakref.ref[torch.Tensor]", tuple[int, ...] | None]] = {}
+_CHECKING: list[Any] = []   # the hook's handle, once registered
 
 
-def _check_not_retired(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _RETIRED:
+def _check_marked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any optimizer's step: it must not hold a retired parameter (it would train a tensor the model no
+    longer uses, silently), nor state of a reshaped one's old shape (torch's fused kernels read it without a
+    check); a reshaped one whose state fits is unmarked."""
+    if not _MARKS:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            ref = _RETIRED.get(id(p))
-            if ref is not None and ref() is p:
+            mark = _MARKS.get(id(p))
+            if mark is None or mark[0]() is not p:
+                continue
+            old = mark[1]
+            if old is None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__} holds a TT core or gate that RankAdaptive cut and replaced "
                     f"(shape {tuple(p.shape)}); it would train a tensor the model no longer uses.  Give "
                     f"RankAdaptive the optimizer (RankAdaptive(model, optimizer=opt) or ra.attach(opt)) so cuts "
                     f"update it, or build it again from the model's parameters after each cut (a second "
                     f"optimizer: in a function given to ra.on_reallocate)")
+            stale = [k for k, v in optimizer.state.get(p, {}).items()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0 and tuple(v.shape) == old != tuple(p.shape)]
+            if stale:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds state ({', '.join(stale)}) of shape {old} for a TT core or "
+                    f"gate that load_state_dict gave other ranks ({tuple(p.shape)} now): load the optimizer's "
+                    f"state saved with those weights (opt.load_state_dict) or build the optimizer anew before "
+                    f"it steps")
+            _MARKS.pop(id(p), None)   # its state fits: checked once
+
+
+def _mark(p: torch.Tensor, old: tuple[int, ...] | None) -> None:
+    if not _CHECKING:
+        _CHECKING.append(register_optimizer_step_pre_hook(_check_marked))
+    key = id(p)
+    _MARKS[key] = (weakref.ref(p, lambda _, key=key: _MARKS.pop(key, None)), old)
 
 
 def retire(params: list[torch.Tensor]) -> None:
     """Mark parameters a cut replaced: from now on an optimizer that still holds one raises at its step (a
-    process-wide step pre-hook, registered at the first call; it looks only while a retired one is alive)."""
-    if params and not _CHECKING:
-        _CHECKING.append(register_optimizer_step_pre_hook(_check_not_retired))
+    process-wide step pre-hook, registered at the first mark; it looks only while a marked one is alive)."""
     for p in params:
-        key = id(p)
-        _RETIRED[key] = weakref.ref(p, lambda _, key=key: _RETIRED.pop(key, None))
+        _mark(p, None)
+
+
+def reshaped(params: list[tuple[torch.Tensor, tuple[int, ...]]]) -> None:
+    """Mark parameters a load reshaped in place, each with its shape before: an optimizer stepping one with
+    state of the old shape raises, until its state fits (loaded, or started anew)."""
+    for p, old in params:
+        _mark(p, tuple(old))

@@ -686,6 +686,39 @@ def test_weights_of_other_ranks_loaded_under_rank_adaptive(after_steps):
     ra.step()   # the check at step 2 runs on the new ranks
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+def test_a_trained_optimizer_stepping_weights_loaded_at_other_ranks_is_an_error_until_its_state_is_loaded(fused):
+    """Weights of other ranks loaded into a model that has trained: its stale gradients go (a backward
+    after the load used to fail adding a gradient of the old shape), and an optimizer whose moments still
+    have the old shapes raises at its step, saying what to load (torch's fused AdamW stepped with them in
+    silence); loaded with the optimizer's state saved beside the weights, it steps as the saved run would."""
+    torch.manual_seed(0)
+    src = _net(8, 8)
+    src[0].prune_ranks([None, torch.arange(3), None, None, None])
+    src_opt = torch.optim.AdamW(src.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+    x = torch.randn(4, 64)
+    src(x).square().mean().backward()
+    src_opt.step()
+    src_opt.zero_grad()
+    saved = copy.deepcopy(src.state_dict()), copy.deepcopy(src_opt.state_dict())
+    model = _net(8, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)   # gradients of zeros, at the old shapes
+    model.load_state_dict(saved[0])
+    model(x).square().mean().backward()   # added to those, before
+    with pytest.raises(RuntimeError, match=r"AdamW holds state \(exp_avg, exp_avg_sq\) of shape \(4, 4, 8\).*"
+                                           r"opt.load_state_dict"):
+        opt.step()
+    opt.load_state_dict(saved[1])
+    opt.step()
+    src(x).square().mean().backward()
+    src_opt.step()
+    for p, q in zip(model.parameters(), src.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("resumed", [False, True], ids=["straight", "resumed"])
 def test_a_layer_whose_weight_explodes_is_named_at_the_next_check(resumed):
     """Still finite, but a layer's weight a thousand times larger than at the last check (as a diverging
