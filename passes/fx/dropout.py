@@ -24,8 +24,8 @@ _FUNCTIONAL = (F.dropout, torch.dropout)
 
 def fast_dropout(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None) -> GraphPassResult:
     """Replace gm's dropouts -- F.dropout / torch.dropout calls and nn.Dropout submodules -- by hash
-    dropout, in place; the count is how many calls were replaced (a module called twice counts twice).  example_inputs is accepted, as by every fx
-    pass, and not needed."""
+    dropout, in place; the count is how many calls were replaced (a module called twice counts twice).
+    example_inputs is accepted, as by every fx pass, and not needed."""
     count, calls, swapped = 0, [], set()   # swapped: the modules replaced here (one may be called twice)
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _FUNCTIONAL:

@@ -82,7 +82,7 @@ def nothing_rewritten(model: nn.Module, summary: TensorizeSummary) -> str:
 
 
 def kept_dense_warnings(summary: TensorizeSummary, tied: str, tied_groups: list[str], grown: list[str],
-              bigger: list[str], custom: list[str]) -> list[str]:
+                        bigger: list[str], custom: list[str]) -> list[str]:
     """The warnings a selection gives (tied groups, layers kept dense or grown by their TT form); records
     the untied groups in the summary."""
     out = []
