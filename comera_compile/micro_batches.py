@@ -116,18 +116,15 @@ def _parts_with_tokens(parts: list, counts: list[torch.Tensor]) -> tuple[list, l
     whatever weight the part gets; the part's share is zero, so leaving it out is the whole batch's
     gradient.  One host read per call; none while a CUDA graph is captured or the step compiled, where such
     a part stays in (the whole-step graph cannot skip one)."""
-    if capturing() or torch.compiler.is_compiling() or \
-            (counts[0].is_cuda and torch.cuda.is_current_stream_capturing()):
+    empty = _without_tokens(counts)
+    if not any(empty) or all(empty):
         return parts, counts
-    has = torch.stack(counts).gt(0).tolist()
-    if all(has) or not any(has):
-        return parts, counts
-    return [p for p, h in zip(parts, has) if h], [c for c, h in zip(counts, has) if h]
+    return [p for p, e in zip(parts, empty) if not e], [c for c, e in zip(counts, empty) if not e]
 
 
 def _without_tokens(counts: list[torch.Tensor]) -> list[bool]:
-    """Which parts hold no token, read on the host (none while a CUDA graph is captured or the step compiled,
-    where every part runs its loss: see _parts_with_tokens)."""
+    """Which parts hold no token, in one host read (none while a CUDA graph is captured or the step
+    compiled: there every part runs its loss)."""
     if capturing() or torch.compiler.is_compiling() or \
             (counts[0].is_cuda and torch.cuda.is_current_stream_capturing()):
         return [False] * len(counts)
