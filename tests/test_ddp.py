@@ -392,6 +392,57 @@ def test_a_process_or_micro_batch_without_tokens_trains_a_written_out_token_mean
             torch.testing.assert_close(p, q.detach(), rtol=1e-9, atol=1e-12)
 
 
+def _deep_llama() -> nn.Module:
+    """A 12-layer Llama at small widths, tensorized at the defaults but for its size (float64)."""
+    import transformers
+
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=32))
+    return cc.tensorize(model, rank=6, min_features=32).double()
+
+
+def _deep_tokenless_worker(rank: int, world: int, port: int, out: str) -> None:
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        lm = _deep_llama()
+        ddp = nn.parallel.DistributedDataParallel(_ShiftedLogits(lm))
+        step = cc.compile_step(ddp, _written_token_mean, torch.optim.SGD(ddp.parameters(), lr=0.5),
+                               micro_batches=2, micro_batch_weights="tokens")
+        for batch in _padded_llama_batches()[:2]:
+            labels = batch["labels"][:, 1:].clone()
+            labels[:4] = -100   # the first process's rows: no token at all
+            half = slice(rank * 4, (rank + 1) * 4)
+            step(batch["input_ids"][half], batch["attention_mask"][half], labels[half])
+        torch.save([p.detach() for p in lm.parameters()], f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_path):
+    """The same on a 12-layer transformers Llama whose blocks compile_step compiles (backend "comera"): the
+    process whose rows hold no label token runs its micro-batches with nothing of their own, and both end at
+    one process's eager steps on the whole batch."""
+    pytest.importorskip("transformers")
+    out = str(tmp_path / "deep")
+    mp.spawn(_deep_tokenless_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    model = _ShiftedLogits(_deep_llama())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for batch in _padded_llama_batches()[:2]:
+        labels = batch["labels"][:, 1:].clone()
+        labels[:4] = -100
+        _written_token_mean(model(batch["input_ids"], batch["attention_mask"]), labels).backward()
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        for p, q in zip(torch.load(f"{out}.{r}"), model.lm.parameters()):
+            assert torch.isfinite(p).all()
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+
+
 def _full_batches() -> list[torch.Tensor]:
     """STEPS batches of 8 unpadded rows of 12 tokens: both halves hold as many label tokens, so DDP's average
     of the two token means is the whole batch's."""
