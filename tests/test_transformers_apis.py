@@ -163,3 +163,29 @@ def test_resize_refuses_to_re_tie_t5_s_untied_encoder_and_decoder_embeddings():
         model.resize_token_embeddings(240)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.config.vocab_size == VOCAB
+
+
+def test_mixtral_experts_and_whisper_s_frozen_positions_are_said_and_kept():
+    """transformers' own models at the defaults: Mixtral's experts (3-D Parameters, most of the model) are
+    listed as kept dense and warned about; Whisper's frozen sinusoidal encoder positions keep their values
+    (random cores would have replaced them for good), with a warning naming them."""
+    import transformers
+
+    import comera_compile as cc
+
+    torch.manual_seed(0)
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=448, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=4))
+    with pytest.warns(UserWarning, match=r"kept 24 weight\(s\) dense that modules hold as plain Parameters"):
+        tt = cc.tensorize(mixtral)
+    assert sum("experts" in n for n in tt.comera_summary.kept_dense) == 24
+    whisper = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=1500,
+        max_target_positions=64, num_mel_bins=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        decoder_start_token_id=1))
+    table = whisper.model.encoder.embed_positions.weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"frozen layer\(s\) dense \(model.encoder.embed_positions\)"):
+        tt = cc.tensorize(whisper)
+    assert torch.equal(tt.model.encoder.embed_positions.weight, table)
