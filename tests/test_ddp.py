@@ -393,7 +393,8 @@ def test_a_process_or_micro_batch_without_tokens_trains_a_written_out_token_mean
 
 
 def _deep_llama() -> nn.Module:
-    """A 12-layer Llama at small widths, tensorized at the defaults but for its size (float64)."""
+    """A 12-layer Llama at small widths, tensorized at the defaults but for its size (float32: torch 2.11's
+    compiled CPU attention backward refuses float64)."""
     import transformers
 
     import comera_compile as cc
@@ -402,7 +403,7 @@ def _deep_llama() -> nn.Module:
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
         num_key_value_heads=4, max_position_embeddings=32))
-    return cc.tensorize(model, rank=6, min_features=32).double()
+    return cc.tensorize(model, rank=6, min_features=32)
 
 
 def _deep_tokenless_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -440,7 +441,7 @@ def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_p
     for r in range(2):
         for p, q in zip(torch.load(f"{out}.{r}"), model.lm.parameters()):
             assert torch.isfinite(p).all()
-            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5)   # compiled vs eager, float32
 
 
 def _full_batches() -> list[torch.Tensor]:
