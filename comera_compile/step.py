@@ -190,20 +190,23 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         *inputs, target = args
         return loss_fn(model(*inputs, **kw), target)
 
+    def precision() -> contextlib.AbstractContextManager:
+        """The forward's autocast region; a captured step casts afresh in every replay: autocast's cache
+        would hold the capture's casts."""
+        if autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type, dtype=autocast, cache_enabled=not whole)
+
     def forward_loss(*flat: Any) -> torch.Tensor:
         args, kw = unpack(flat)
-        if autocast is None:
-            return model_loss(*args, **kw)
-        # a captured step casts afresh in every replay: autocast's cache would hold the capture's casts
-        with torch.autocast(device_type, dtype=autocast, cache_enabled=not whole):
+        with precision():
             return model_loss(*args, **kw)
 
     def forward_outputs(*flat: Any) -> Any:
         """The model's output without the loss (accumulate's micro-batches that hold no token)."""
         args, kw = unpack(flat)
-        inputs = args if loss_fn is None else args[:-1]
-        with contextlib.nullcontext() if autocast is None else torch.autocast(device_type, dtype=autocast):
-            return model(*inputs, **kw)
+        with precision():
+            return model(*(args if loss_fn is None else args[:-1]), **kw)
 
     def compile_forward(compile_kwargs: dict[str, Any]) -> Callable[..., torch.Tensor]:
         if regional and compile_blocks(model, backend=backend, fullgraph=fullgraph, **compile_kwargs):
