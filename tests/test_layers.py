@@ -291,7 +291,8 @@ def test_gradcheck_ttlinear_input_cores_gates_bias():
 
 def test_gradcheck_ttembedding_cores_gates_with_padding_idx():
     torch.manual_seed(0)
-    layer = TTEmbedding(13, 6, padding_idx=3, rank=FULL, dtype=torch.float64)  # 13 -> 16 rows, 6 -> 8 cols
+    layer = TTEmbedding(13, 6, padding_idx=3, rank=FULL, row_modes=(2, 2, 2, 2), col_modes=(2, 2, 2, 1),
+                        dtype=torch.float64)  # 13 -> 16 rows, 6 -> 8 cols
     assert layer.spec.in_padded > 13 and layer.spec.out_padded > 6
     perturb_gates(layer, torch.Generator().manual_seed(1))
     f, names, params = _functional(layer)

@@ -1009,7 +1009,7 @@ def test_an_accelerate_loop_trains_as_the_plain_loop_through_a_reallocation(loop
         ra.step()   # the proximal step at the lr of the step just taken: before the scheduler's
         sched.step()
         expected.append(torch.stack(losses).detach())
-    assert ra.cuts == 1   # the re-allocation happened
+    assert ra.cuts >= 1   # the re-allocation happened
 
     acc_model, acc_opt, acc_sched = build()
     accelerator = accelerate.Accelerator(gradient_accumulation_steps=accumulate, cpu=True)
@@ -1035,7 +1035,7 @@ def test_an_accelerate_loop_trains_as_the_plain_loop_through_a_reallocation(loop
                 acc_ra.step(loss)
                 acc_sched.step()
             got.append(loss.detach())
-    assert acc_ra.optimizer is acc_opt.optimizer and acc_ra.steps == ra.steps and acc_ra.cuts == 1
+    assert acc_ra.optimizer is acc_opt.optimizer and acc_ra.steps == ra.steps and acc_ra.cuts == ra.cuts
     torch.testing.assert_close(torch.stack(got).reshape(-1), torch.cat(expected), rtol=1e-10, atol=0)
     for (name, p), q in zip(model.named_parameters(), acc_model.parameters()):
         torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12, msg=name)

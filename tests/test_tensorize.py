@@ -70,6 +70,18 @@ def test_six_encoder_preset_parameter_count_matches_formula():
     assert tt.word.spec.in_modes == (16, 20, 10, 10) and tt.word.spec.out_modes == (4, 4, 8, 6)
 
 
+def test_d_sets_the_chosen_modes_and_a_shapes_entry_sets_its_own():
+    """d is the modes per side of the layers shaped automatically; a layer given modes keeps their count, and
+    the product stays the dense layer's (full-rank SVD reproduces it)."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).double()
+    tt = cc.tensorize(dense, rank=10 ** 6, init="svd", d=4, shapes={"2": cc.LayerShape(in_modes=(16, 8))})
+    assert len(tt[0].spec.in_modes) == len(tt[0].spec.out_modes) == 4
+    assert tt[2].spec.in_modes == (16, 8) and len(tt[2].spec.out_modes) == 2
+    x = torch.randn(5, 64, dtype=torch.float64)
+    torch.testing.assert_close(tt(x), dense(x), rtol=1e-9, atol=1e-10)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 def test_full_rank_svd_reproduces_dense_model(dtype, tol):
     torch.manual_seed(0)

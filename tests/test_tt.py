@@ -92,6 +92,46 @@ def test_balanced_factors_is_an_exact_and_most_balanced_split(n, d):
     assert max(factors) == best
 
 
+def _smallest_largest_factor(n: int, d: int) -> int:
+    """Brute force: the smallest f that is the largest factor of some split of n into d factors."""
+    def splits(m, parts, cap):
+        if parts == 0:
+            return m == 1
+        return any(m % f == 0 and splits(m // f, parts - 1, f) for f in range(min(m, cap), 0, -1))
+    return min(f for f in range(1, n + 1) if n % f == 0 and splits(n // f, d - 1, f))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 3000), d=st.integers(2, 4))
+def test_choose_modes_splits_a_balanced_enough_size_as_it_is_and_pads_the_rest(n, d):
+    """A size whose best split's largest factor is at most twice its d-th root is split without padding
+    (padding costs more time than that imbalance); any other is padded to the first size whose best split
+    is within 1.5x of its root."""
+    modes = tt.choose_modes(n, d)
+    if _smallest_largest_factor(n, d) <= 2.0 * n ** (1.0 / d):
+        assert math.prod(modes) == n and max(modes) == _smallest_largest_factor(n, d)
+        return
+    first = next((m for m in range(n + 1, 2 * n + 9)
+                  if _smallest_largest_factor(m, d) <= math.floor(1.5 * m ** (1.0 / d))), None)
+    if first is not None:
+        assert math.prod(modes) == first and max(modes) == _smallest_largest_factor(first, d)
+
+
+@pytest.mark.parametrize("d", [2, 3, 4])
+def test_choose_modes_never_pads_a_power_of_two(d):
+    for k in range(1, 25):
+        assert math.prod(tt.choose_modes(2 ** k, d)) == 2 ** k
+
+
+@pytest.mark.parametrize("n", [10_000_019, 39_884_406])
+def test_choose_modes_of_a_large_awkward_table(n):
+    """Embedding tables of tens of millions of rows that do not factor well (a prime; Criteo's largest):
+    padded to a balanced size (this took minutes when every integer below n was tried as a factor)."""
+    modes = tt.choose_modes(n, 4)
+    prod = math.prod(modes)
+    assert n < prod <= n + 1000 and max(modes) <= 1.5 * prod ** 0.25
+
+
 # ---------------------------------------------------------------------------------------------------------
 # make_spec
 
@@ -149,6 +189,15 @@ def test_make_spec_default_modes_cover_features():
     spec = tt.make_spec("tt", 37, 53, 4)
     assert math.prod(spec.in_modes) >= 37 and math.prod(spec.out_modes) >= 53
     assert len(spec.in_modes) == len(spec.out_modes) == 3
+
+
+def test_make_spec_refuses_a_d_that_contradicts_the_given_modes():
+    with pytest.raises(ValueError, match=r"d=3 modes a side, but in_modes \(8, 8\) has 2"):
+        tt.make_spec("tt", 64, 64, 4, in_modes=(8, 8), d=3)
+    with pytest.raises(ValueError, match=r"d=3 modes a side, but row_modes \(8, 8\) has 2"):
+        tt.make_spec("ttm", 64, 64, 4, in_modes=(8, 8), d=3)
+    spec = tt.make_spec("tt", 64, 64, 4, in_modes=(8, 8))   # the given side sets the other's count
+    assert spec.out_modes == (8, 8)
 
 
 @pytest.mark.parametrize("rank", [0, -1, -30])

@@ -35,6 +35,12 @@ class LayerShape:
     rank: int | tuple[int, ...] | None = None
 
 
+def layer_d(shape: LayerShape | None, d: int | None) -> int | None:
+    """tensorize's d for one layer: the modes per side of a layer whose shape is chosen automatically; a
+    shape that gives modes sets its layer's count (its other side takes as many)."""
+    return d if shape is None or (shape.in_modes is None and shape.out_modes is None) else None
+
+
 # CoMERA's shapes for the six-encoder (BERT-base sized) model, keyed by (in, out) / (rows, dim).  Only the
 # layers listed are rewritten: position and segment embeddings and the 768 -> 3 classifier stay dense.
 PRESETS: dict[str, dict[str, Any]] = {

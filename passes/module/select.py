@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from comera_compile.passes.module.options import (PRESETS, LayerShape, Options, TensorizeError, as_shape,
-                                                  check_options, layer_kind, matches)
+                                                  check_options, layer_d, layer_kind, matches)
 from comera_compile.passes.module.notices import (FROZEN, frozen_warning, kept_dense_warnings, nothing_rewritten,
                                                   plain_weights, plain_weights_warning)
 from comera_compile.passes.module.outside import held_outside, tied_outside
@@ -184,7 +184,7 @@ def _spec(mod: nn.Module, kind: str, rank: int | Sequence[int], shape: LayerShap
     dims = _dims(mod, kind)
     try:
         return make_spec("tt" if _TT_CLASS[kind] == "TTLinear" else "ttm", dims[0], dims[1], rank,
-                         shape.in_modes if shape else None, shape.out_modes if shape else None, d,
+                         shape.in_modes if shape else None, shape.out_modes if shape else None, layer_d(shape, d),
                          where=_TT_CLASS[kind])
     except (ValueError, TypeError) as e:
         raise TensorizeError(f"cannot tensorize {where!r} ({type(mod).__name__}): {e}") from e

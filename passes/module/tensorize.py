@@ -29,6 +29,7 @@ from comera_compile import huggingface
 from comera_compile.embedding import TTEmbedding, TTEmbeddingBag
 from comera_compile.huggingface import resize_token_embeddings  # noqa: F401  (its old home)
 from comera_compile.layers import TTLayer, TTLinear
+from comera_compile.passes.module.options import layer_d
 from comera_compile.passes.module.select import (PRESETS, LayerShape, Options, Rewrite, Selection,
                                                  TensorizeError, TensorizeSummary, check_options, select_layers)
 from comera_compile.passes.module.trace import trace_model
@@ -52,6 +53,8 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
     min_features: layers whose smaller dimension is below this stay dense (unless given a shape).
     init: "random" (trains from scratch, variance of the dense default init) or "svd" (TT-SVD of the
         existing weights: exact at full ranks).
+    d: modes per side of the layers whose shapes are chosen automatically (default 3 for linears, 4 for
+        embedding tables); a `shapes` entry's own modes set its layer's.
     preset: a name from PRESETS, e.g. "comera-six-encoder" (CoMERA's shapes and ranks; only the layers
         it lists are rewritten).
     tied: what to do with layers sharing a weight with another module: "keep" leaves them dense (and
@@ -89,6 +92,7 @@ def tensorize(model: nn.Module, rank: int | Sequence[int] | None = None, *,
 def _build(rewrite: Rewrite, init: str, d: int | None) -> TTLayer:
     """The TT layer for one rewrite, from the dense module's weights (init="svd") or its shape alone."""
     mod, kind, r, shape = rewrite.module, rewrite.kind, rewrite.rank, rewrite.shape
+    d = layer_d(shape, d)
     in_modes = shape.in_modes if shape else None
     out_modes = shape.out_modes if shape else None
     if init == "svd" and mod.weight.is_meta:
