@@ -122,8 +122,9 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             why = ("it was handed a transformers KV cache, whose state dynamo guards layer by layer (every layer "
                    "would compile a graph of its own)")
             if block.__dict__.get("_comera_cache_off"):   # compile_blocks': the call asked for the cache
-                fix = ("leave use_cache unset (or False) where a call needs no cache; generate() needs it, and "
-                       "runs the blocks eagerly")
+                fix = ("pass use_cache=False where a call needs no cache (an eval-mode call without labels "
+                       "follows the config, which a decoding loop relies on); generate() needs it, and runs the "
+                       "blocks eagerly")
             else:
                 fix = ("pass use_cache=False to the model's forward, or compile with cc.compile_blocks(model), "
                        "which turns the cache off unless a call asks for it")
@@ -264,7 +265,11 @@ def _use_cache_position(module: nn.Module) -> int | None:
 def _no_cache_unless_asked(module: nn.Module, args: tuple, kwargs: dict[str, Any], *,
                            position: int) -> tuple[tuple, dict]:
     """The forward pre-hook: use_cache (argument `position`, or the keyword) False where the call leaves it
-    None.  A module-level function under functools.partial, so a hooked model pickles (torch.save(model))."""
+    None and computes a loss (training mode, or labels given); an evaluation call without labels follows the
+    config, as a decoding loop that reads ``past_key_values`` needs.  A module-level function under
+    functools.partial, so a hooked model pickles (torch.save(model))."""
+    if not module.training and kwargs.get("labels") is None:
+        return args, kwargs
     if len(args) > position:
         if args[position] is None:
             args = (*args[:position], False, *args[position + 1:])
@@ -274,11 +279,15 @@ def _no_cache_unless_asked(module: nn.Module, args: tuple, kwargs: dict[str, Any
 
 
 def cache_off_by_default(model: nn.Module) -> int:
-    """Make transformers' key/value cache off unless a call passes ``use_cache=True``.
+    """Make transformers' key/value cache off in calls that compute a loss (training mode, or labels given)
+    unless they pass ``use_cache=True``.
 
     A forward pass that computes a loss never reads the cache, and its per-layer state (which layers were
     filled) is guarded by dynamo layer by layer, so with the cache on every layer compiles a graph of its
-    own.  ``generate()`` passes ``use_cache`` explicitly and keeps its cache.  A forward pre-hook on every
+    own.  An evaluation call without labels follows the config: a hand-written decoding loop reads the
+    ``past_key_values`` it returns (such calls run the compiled blocks eagerly, said once; pass
+    ``use_cache=False`` where none is needed).  ``generate()`` passes ``use_cache`` explicitly and keeps its
+    cache.  A forward pre-hook on every
     module whose config has ``use_cache`` and whose forward takes it; the config is left as it is.  Returns
     the number of modules hooked (0 for a model that is not a transformers one); calling it again hooks
     nothing twice."""

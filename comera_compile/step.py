@@ -98,8 +98,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     regional (default) compiles each of the model's repeated blocks on its own (``regional.compile_blocks``)
     and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape share one compiled
     graph, so a deep model compiles in the time of one block and a rank re-allocation recompiles one
-    block's graph; transformers' KV cache is off unless a call asks for it, so layers share a graph at any
-    depth.  The blocks stay compiled when the model is called outside the step.  regional=False, or a
+    block's graph; transformers' KV cache is off in training calls unless one asks for it, so layers share
+    a graph at any depth (cc.compile_blocks).  The blocks stay compiled when the model is called outside the step.  regional=False, or a
     model without repeated blocks, compiles forward and loss as one graph: slower to compile, slightly
     faster per step.
 

@@ -357,10 +357,10 @@ def test_a_rank_reallocation_recompiles_once_and_evaluation_compiles_once(fresh_
     assert _graphs() == 2
     model.eval()
     with torch.no_grad():
-        got = model(x).logits
+        got = model(x, use_cache=False).logits
         assert _graphs() == 3
         with torch.compiler.set_stance("force_eager"):
-            want = model(x).logits
+            want = model(x, use_cache=False).logits
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         with pytest.warns(UserWarning, match="KV cache") as record:
             out = model(x, use_cache=True)
@@ -497,10 +497,38 @@ def test_cache_off_by_default_leaves_explicit_requests_and_generate_alone():
         want = model.generate(x[:1, :8], max_new_tokens=5, do_sample=False)
         assert cc.regional.cache_off_by_default(model) == 2   # the LM and its inner decoder
         assert cc.regional.cache_off_by_default(model) == 0   # never twice
-        assert model(x).past_key_values is None
+        assert model(x, labels=x).past_key_values is None   # a loss: no cache
+        assert model(x).past_key_values.get_seq_length() == x.shape[1]   # eval without labels: the config's
         assert model(x, use_cache=True).past_key_values.get_seq_length() == x.shape[1]
         torch.testing.assert_close(model.generate(x[:1, :8], max_new_tokens=5, do_sample=False), want)
+    model.train()
+    assert model(x).past_key_values is None
     assert model.config.use_cache
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_hand_written_decoding_loop_after_compile_blocks_reads_the_cache(family, fresh_dynamo):
+    """After cc.compile_blocks, the usual decoding loop (prompt, then one token at a time with
+    past_key_values) in eval mode gets the config's cache: its greedy tokens are generate()'s, and each
+    step's logits are a full forward's of the whole sequence (float64)."""
+    model = _model(family).double().eval()
+    prompt = _batch()[0][:2, :6]
+    with torch.no_grad():
+        want = model.generate(prompt, max_new_tokens=6, do_sample=False)
+        cc.compile_blocks(model)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # the blocks run eagerly with a cache: said once
+            out = model(prompt)
+            seq, past = prompt, out.past_key_values
+            for _ in range(6):
+                token = out.logits[:, -1:].argmax(-1)
+                seq = torch.cat([seq, token], dim=1)
+                out = model(token, past_key_values=past)
+                past = out.past_key_values
+                with torch.compiler.set_stance("force_eager"):   # the reference: no compile needed
+                    full = model(seq, use_cache=False).logits[:, -1]
+                torch.testing.assert_close(out.logits[:, -1], full, rtol=1e-7, atol=1e-8)
+    assert torch.equal(seq, want)
 
 
 def test_a_model_whose_cache_is_off_by_default_saves_whole_and_keeps_it_off():
