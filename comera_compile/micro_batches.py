@@ -281,8 +281,9 @@ def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch
     """A micro-batch's token-mean loss times its share ``count / total`` of the batch's label tokens; zero
     where it has none, whose mean is NaN (a NaN the loss's own backward makes there still flows: accumulate
     leaves such parts out, or runs them without their loss, _zero_backward)."""
-    share = count.to(loss.dtype) / total.to(loss.dtype)
-    return torch.where(count > 0, loss * share, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    share = count.float() / total.float()   # a 16-bit loss's dtype rounds counts above 256 (bf16), or 65,504 to inf
+    weighed = (loss.float() * share).to(loss.dtype)
+    return torch.where(count > 0, weighed, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 
 def averaging_processes(model: torch.nn.Module) -> int:

@@ -273,6 +273,29 @@ def test_micro_batches_of_a_token_mean_loss_fn_make_the_whole_batch_mean(case):
     assert gap > 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_16_bit_models_token_weighted_micro_batches_make_the_float64_mean(dtype):
+    """A half-precision model whose loss comes out in its dtype: the micro-batches' shares of 70,000 label
+    tokens (above float16's largest number; bfloat16 rounds counts above 256) still make the batch's mean,
+    and the step updates every parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4, 16), nn.Linear(16, 4))
+    ref = [p.detach().double() for p in model.parameters()]
+    model = model.to(dtype)
+    x = torch.randint(0, 4, (2, 35_000), generator=torch.Generator().manual_seed(1))
+    y = torch.randint(0, 4, (2, 35_000), generator=torch.Generator().manual_seed(2))
+    y[1, 30_001:] = -100   # parts of 35,000 and 30,001 tokens: shares 0.538... and 0.461...
+    loss_fn = lambda out, t: F.cross_entropy(out.transpose(1, 2), t)   # noqa: E731  (in the model's dtype)
+    step = cc.compile_step(model, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), backend="eager",
+                           micro_batches=2, micro_batch_weights="tokens")
+    loss = step(x, y)
+    emb, lin_w, lin_b = ref
+    expected = F.cross_entropy((F.embedding(x, emb) @ lin_w.t() + lin_b).transpose(1, 2), y)
+    assert loss.dtype == dtype
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-2, atol=0)
+    assert all(not torch.equal(p.detach().double(), r) for p, r in zip(model.parameters(), ref))
+
+
 def _token_mean(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """A token mean written out as users write it: 0/0 (NaN, and a NaN backward) for a batch without tokens."""
     keep = y.ne(-100)
