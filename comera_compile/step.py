@@ -159,6 +159,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
+    if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+        raise ValueError(f"autocast={autocast!r}: give the dtype forward and loss run in, torch.bfloat16 or "
+                         f"torch.float16 (None, the default, runs them in the parameters' dtype)")
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r}: give a whole number >= 1 (1, the default, runs each "
                          f"call's batch at once)")

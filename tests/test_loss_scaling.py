@@ -123,6 +123,16 @@ def test_loss_scaling_refuses_the_modes_it_cannot_run_in():
     assert step.scaler is None
 
 
+@pytest.mark.parametrize("autocast", ["bf16", True, torch.int8])
+def test_an_autocast_that_is_not_a_floating_dtype_is_refused_when_the_step_is_built(autocast):
+    """autocast="bf16" (the CLI's spelling) failed inside dynamo at the first call, and torch.int8 ran with
+    autocast silently off: both are refused before anything compiles, naming the dtypes to give."""
+    model = _net()
+    with pytest.raises(ValueError, match=r"torch\.bfloat16 or torch\.float16"):
+        cc.compile_step(model, nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1),
+                        autocast=autocast)
+
+
 def test_the_readme_s_own_loop_skips_rank_adaptive_with_the_scaler():
     """The README's loop of one's own: ra.step only where the scale did not drop.  Over an overflowing batch
     between two good ones, RankAdaptive counts the two steps that changed the parameters, not the third."""
