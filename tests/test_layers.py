@@ -637,3 +637,17 @@ def test_exporting_is_true_under_torch_export_only():
     assert torch.compile(Probe(), backend="eager", fullgraph=True)(x).tolist() == [0.0, 0.0]
     assert torch.export.export(Probe(), (x,)).module()(x).tolist() == [1.0, 1.0]
     torch._dynamo.reset()
+
+
+def test_weight_under_autocast_is_the_cores_dtype_as_a_dense_layers_parameter():
+    """Code that reads ``layer.weight`` inside a bfloat16 autocast region (a tied head, T5's dtype check) gets
+    the float32 matrix a dense layer's parameter would be, equal to the float64 product of the cores to
+    float32 rounding; autocast had rounded it to bfloat16 (relative error ~4e-3)."""
+    torch.manual_seed(0)
+    linear, table = TTLinear(48, 40, rank=6), TTEmbedding(60, 24, rank=6)
+    want_w = linear_weight_of(copy.deepcopy(linear).double())
+    want_t = embedding_table_of(copy.deepcopy(table).double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got_w, got_t = linear.weight, table.weight
+    assert got_w.dtype == got_t.dtype == torch.float32
+    assert rel_err(got_w.double(), want_w) < 1e-6 and rel_err(got_t.double(), want_t) < 1e-6
