@@ -342,8 +342,10 @@ class TTLinear(TTLayer):
         training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
         if exporting():
             # An exported program serves every row count: one plan (any plan computes the same product), no
-            # guard on the row count.
-            program = networks.tt_linear_program(spec, EXPORT_ROWS, training, x.requires_grad)
+            # guard on the row count; taken from the constant the compiled path reads (strict export traces
+            # with dynamo, which cannot enter the planner's caches).
+            thresholds, programs = networks.tt_linear_segments(spec.token, training, x.requires_grad)
+            program = programs[sum(EXPORT_ROWS >= t for t in thresholds)]
         elif torch.compiler.is_compiling():
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
