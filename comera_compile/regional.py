@@ -287,10 +287,9 @@ def cache_off_by_default(model: nn.Module) -> int:
     own.  An evaluation call without labels follows the config: a hand-written decoding loop reads the
     ``past_key_values`` it returns (such calls run the compiled blocks eagerly, said once; pass
     ``use_cache=False`` where none is needed).  ``generate()`` passes ``use_cache`` explicitly and keeps its
-    cache.  A forward pre-hook on every
-    module whose config has ``use_cache`` and whose forward takes it; the config is left as it is.  Returns
-    the number of modules hooked (0 for a model that is not a transformers one); calling it again hooks
-    nothing twice."""
+    cache.  A forward pre-hook on every module whose config has ``use_cache`` and whose forward takes it; the
+    config is left as it is.  Returns the number of modules hooked (0 for a model that is not a transformers
+    one); calling it again hooks nothing twice."""
     hooked = 0
     for module in model.modules():
         position = _use_cache_position(module)

@@ -99,9 +99,9 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     and runs the rest -- embeddings, head, loss -- eagerly: blocks of one class and shape share one compiled
     graph, so a deep model compiles in the time of one block and a rank re-allocation recompiles one
     block's graph; transformers' KV cache is off in training calls unless one asks for it, so layers share
-    a graph at any depth (cc.compile_blocks).  The blocks stay compiled when the model is called outside the step.  regional=False, or a
-    model without repeated blocks, compiles forward and loss as one graph: slower to compile, slightly
-    faster per step.
+    a graph at any depth (cc.compile_blocks).  The blocks stay compiled when the model is called outside the
+    step.  regional=False, or a model without repeated blocks, compiles forward and loss as one graph:
+    slower to compile, slightly faster per step.
 
     cuda_graphs, for a model on CUDA: "compiled" (the default) replays each compiled graph with Inductor's
     CUDA Graph trees (backend "comera", or mode "reduce-overhead"), the eager parts and the optimizer between
