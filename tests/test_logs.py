@@ -3,6 +3,8 @@ tlparse), cc.rewritten_graphs and `comera-compile inspect` on models torch.fx ca
 
 from __future__ import annotations
 
+import importlib
+
 import os
 import subprocess
 import sys
@@ -256,6 +258,23 @@ def test_inspect_asked_for_the_dynamo_graph_without_inputs_fails_saying_what_to_
         main(["inspect", "own_nets:net", "--rank", "4", "--graph", "dynamo"])
     assert main(["inspect", "own_nets:net", "--rank", "4"]) == 0
     assert "# no graph: Net needs example inputs" in capsys.readouterr().out
+
+
+def test_inspect_of_a_factory_that_tensorizes_refuses_a_rank_it_would_not_use(tmp_path, monkeypatch, capsys):
+    """A factory returning a model with TT layers already: --rank (which tensorize would leave unused) is an
+    error saying what to do, and without it the last line counts the model's own parameters, not "dense"."""
+    from comera_compile.cli import main
+
+    (tmp_path / "own_tt.py").write_text(
+        "import comera_compile as cc\nfrom torch import nn\n\n"
+        "def build():\n    return cc.tensorize(nn.Sequential(nn.Linear(128, 128), nn.ReLU()), rank=8)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit, match=r"TT layers already.*drop --rank"):
+        main(["inspect", "own_tt:build", "--rank", "4"])
+    assert main(["inspect", "own_tt:build"]) == 0
+    out = capsys.readouterr().out
+    tt_params = sum(p.numel() for p in importlib.import_module("own_tt").build().parameters())
+    assert f"Sequential: {tt_params:,} parameters as the factory built it" in out and "dense parameters" not in out
 
 
 def test_readme_seeing_section_commands_are_ones_the_cli_takes():

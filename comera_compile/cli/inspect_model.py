@@ -106,6 +106,7 @@ def _show_dynamo(model: nn.Module, call: tuple[tuple, dict]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import comera_compile as cc
+    from comera_compile.layers import tt_layers
 
     t0 = time.perf_counter()
     for spec in args.input or ():   # checked before anything is built
@@ -121,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
         kwargs["preset"] = "comera-six-encoder"
     else:
         model = _load_factory(args.model)
+    built_tensorized = bool(tt_layers(model))
     if args.rank is not None:
+        if built_tensorized:   # tensorize leaves TT layers as they are: the rank would go unused
+            raise SystemExit(f"comera-compile inspect: {args.model} returned a model with TT layers already, "
+                             f"which keep their ranks: drop --rank, or have the factory return the dense model")
         kwargs["rank"] = args.rank
     dense_params = sum(p.numel() for p in model.parameters())
     try:
@@ -143,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             _show_dynamo(tt, call)
     print(cc.explain(tt, rows=args.rows))
-    print(f"\n{type(model).__name__}: {dense_params:,} dense parameters; done in {time.perf_counter() - t0:.1f} s")
+    what = "parameters as the factory built it" if built_tensorized else "dense parameters"
+    print(f"\n{type(model).__name__}: {dense_params:,} {what}; done in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
