@@ -543,9 +543,9 @@ def test_a_model_whose_cache_is_off_by_default_saves_whole_and_keeps_it_off():
     torch.save(model, buffer)
     loaded = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
     with torch.no_grad():
-        out = loaded(x)
+        out = loaded(x, labels=x)   # a loss: the hook turns the cache off
         assert out.past_key_values is None
-        torch.testing.assert_close(out.logits, model(x).logits, rtol=0, atol=0)
+        torch.testing.assert_close(out.logits, model(x, labels=x).logits, rtol=0, atol=0)
     assert cc.regional.cache_off_by_default(loaded) == 0   # its hooks came with it
 
 
