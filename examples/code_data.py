@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DemoError", "Corpus", "SPECIAL_TOKENS", "MASK_FRACTION", "stdlib_dir", "list_files", "load_corpus",
-           "train_tokenizer", "to_blocks", "mask_batch", "unigram_baseline"]
+__all__ = ["DemoError", "Corpus", "SPECIAL_TOKENS", "MASK_FRACTION", "stdlib_dir", "list_files", "copy_key",
+           "load_corpus", "train_tokenizer", "to_blocks", "mask_batch", "unigram_baseline"]
 
 SPECIAL_TOKENS = ("[PAD]", "[MASK]", "[SEP]")
 MASK_FRACTION = 0.15
@@ -101,15 +101,25 @@ def list_files(root: Path, suffixes: tuple[str, ...] | None = None) -> list[Path
     return [p for p in _walk(root, suffixes) if _is_text(p)]
 
 
+def copy_key(text: str) -> str:
+    """What two documents are compared on to find copies: the text without its leading and trailing
+    whitespace, so copies that differ only in a newline around them (a file with and without its final
+    newline, a piece after an end-of-text marker and its newline) are one document.  The demo's split and
+    pretrain's both skip a document whose key was already taken."""
+    return text.strip()
+
+
 @dataclass
 class Corpus:
-    """Texts of the training and held-out files (split by file), and where they came from."""
+    """Texts of the training and held-out files (split by file), where they came from, and how many files
+    were skipped as copies of a text already taken (the same text under another path)."""
 
     root: Path
     train_files: list[Path]
     heldout_files: list[Path]
     train_texts: list[str]
     heldout_texts: list[str]
+    copies: int = 0
 
     @property
     def train_bytes(self) -> int:
@@ -120,34 +130,46 @@ class Corpus:
         return sum(len(t.encode("utf-8")) for t in self.heldout_texts)
 
 
-def _read_until(files: list[Path], max_bytes: int) -> tuple[list[Path], list[str]]:
-    used, texts, total = [], [], 0
-    for p in files:
-        if total >= max_bytes:
-            break
+def _read_until(files: list[Path], max_bytes: int, seen: set[str], most: int | None = None
+                ) -> tuple[list[Path], list[str], int, int]:
+    """Files in order until max_bytes are read (the last one cut at the budget, on a line boundary) or `most`
+    are taken.  Blank files and copies of a text in `seen` (compared whole, on copy_key, before any cut) are
+    skipped; each text taken is added to `seen`, so the other side of the split skips any copy of it.  Returns
+    the files and texts taken, how far along `files` it went, and the copies skipped."""
+    used, texts, total, copies = [], [], 0, 0
+    for k, p in enumerate(files):
+        if total >= max_bytes or len(texts) == most:
+            return used, texts, k, copies
         try:
             text = p.read_text(encoding="utf-8", errors="replace")
         except OSError:
             continue
         if not text.strip():
             continue
+        key = copy_key(text)
+        if key in seen:
+            copies += 1
+            continue
+        seen.add(key)
         encoded = text.encode("utf-8")
         if total + len(encoded) > max_bytes:   # the last file cut at the budget, on a line boundary
             kept = encoded[:max_bytes - total].decode("utf-8", errors="ignore")
             text = kept[:kept.rfind("\n") + 1]
             if not text:   # not one whole line fits
-                break
+                return used, texts, k + 1, copies
             encoded = text.encode("utf-8")
         used.append(p)
         texts.append(text)
         total += len(encoded)
-    return used, texts
+    return used, texts, len(files), copies
 
 
 def load_corpus(data: Path | None, seed: int, heldout_fraction: float, max_bytes: int) -> Corpus:
     """Split the files of `data` (default: the standard library's *.py files) by a seeded shuffle into
     held-out and training files, and read at most max_bytes of training text (heldout_fraction of that of
-    held-out text)."""
+    held-out text).  As pretrain's split does: the held-out files are the first of the shuffled order that are
+    neither blank nor a copy of one already taken, and training skips any copy of a text already taken (the
+    same text under two paths), so no held-out text trains; Corpus.copies counts the files skipped so."""
     if data is None:
         root, suffixes = stdlib_dir(), (".py",)
     else:
@@ -164,13 +186,16 @@ def load_corpus(data: Path | None, seed: int, heldout_fraction: float, max_bytes
     order = list(files)
     random.Random(seed).shuffle(order)
     n_heldout = max(1, round(heldout_fraction * len(order)))
-    heldout_pool, train_pool = order[:n_heldout], order[n_heldout:]
-    train_files, train_texts = _read_until(train_pool, max_bytes)
-    heldout_files, heldout_texts = _read_until(heldout_pool, max(1000, int(max_bytes * heldout_fraction)))
+    seen: set[str] = set()   # every text taken, held-out ones first: training skips any copy of one
+    heldout_files, heldout_texts, end, held_copies = _read_until(
+        order, max(1000, int(max_bytes * heldout_fraction)), seen, most=n_heldout)
+    train_files, train_texts, _, train_copies = _read_until(order[max(end, n_heldout):], max_bytes, seen)
+    copies = held_copies + train_copies
     if not train_texts or not heldout_texts:
-        raise DemoError(f"the text files under {str(root)!r} are empty (no training or no held-out text); "
-                        f"point --data at a folder of non-empty text or code files")
-    return Corpus(root, train_files, heldout_files, train_texts, heldout_texts)
+        raise DemoError(f"the text files under {str(root)!r} are empty{' or copies of one another' if copies else ''}"
+                        f" (no training or no held-out text); point --data at a folder of non-empty text or code "
+                        f"files")
+    return Corpus(root, train_files, heldout_files, train_texts, heldout_texts, copies)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> Any:

@@ -211,7 +211,8 @@ def prepare_data(cfg: DemoConfig, log: Callable[[str], None]) -> tuple[Data, Cor
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.data, cfg.seed, cfg.heldout_fraction, cfg.max_bytes)
     log(f"corpus: {corpus.root} -- {len(corpus.train_files)} training files ({corpus.train_bytes / 1e6:.2f} MB), "
-        f"{len(corpus.heldout_files)} held-out files ({corpus.heldout_bytes / 1e6:.2f} MB)")
+        f"{len(corpus.heldout_files)} held-out files ({corpus.heldout_bytes / 1e6:.2f} MB)"
+        + (f", {corpus.copies} copies of other files skipped" if corpus.copies else ""))
     tok = train_tokenizer(corpus.train_texts, cfg.vocab_size)
     vocab = tok.get_vocab_size()
     train = to_blocks(tok, corpus.train_texts, cfg.seq_len)
@@ -230,7 +231,8 @@ def prepare_data(cfg: DemoConfig, log: Callable[[str], None]) -> tuple[Data, Cor
                     for i in range(0, heldout.shape[0], cfg.batch)]
     labels = torch.cat([b[2].reshape(-1) for b in eval_batches])
     info = {"root": str(corpus.root), "train_files": len(corpus.train_files),
-            "heldout_files": len(corpus.heldout_files), "train_bytes": corpus.train_bytes,
+            "heldout_files": len(corpus.heldout_files), "copies_skipped": corpus.copies,
+            "train_bytes": corpus.train_bytes,
             "heldout_bytes": corpus.heldout_bytes, "vocab_size": vocab, "train_blocks": int(train.shape[0]),
             "train_tokens": int(train.numel()), "heldout_blocks": int(heldout.shape[0]),
             "heldout_masked_tokens": int(labels.numel()), "unigram": unigram_baseline(train, labels, vocab),

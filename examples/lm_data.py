@@ -18,6 +18,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from comera_compile.examples.code_data import copy_key
 from comera_compile.examples.lm_sources import EOT_TOKEN, DataError, _open_source, _Source, invalid_note
 
 __all__ = ["DataError", "LMData", "EOT_TOKEN", "EOT_CANDIDATES", "load_lm_data", "train_bpe", "load_tokenizer",
@@ -156,9 +157,10 @@ def _read_until(source: _Source, order: list[int], budget: int, seen: set[str] |
                 most: int | None = None, limit: int | None = None) -> tuple[list[str], int, int]:
     """Documents of `source` in `order` until `budget` bytes are read (the last one cut to fit, at a character
     boundary) or `most` are taken, each read at most `limit` bytes long (default: the budget).  Blank ones and
-    copies of a text in `seen` are skipped, and each text taken is added to `seen`, so a later call (the other
-    side of the split) skips any copy of it.  Returns the texts, how far along `order` it went, and the copies
-    skipped."""
+    copies of a text in `seen` are skipped, compared on copy_key (a stray newline around a copy, as the last
+    paragraph of a file or a piece after an end-of-text marker has, does not make it another text), and each
+    text taken is added to `seen`, so a later call (the other side of the split) skips any copy of it.  Returns
+    the texts, how far along `order` it went, and the copies skipped."""
     seen = set() if seen is None else seen
     texts: list[str] = []
     left, copies = budget, 0
@@ -166,10 +168,11 @@ def _read_until(source: _Source, order: list[int], budget: int, seen: set[str] |
         for k, t in enumerate(source.fetch(order[start:start + 64], budget if limit is None else limit)):
             if t is None or not t.strip():
                 continue
-            if t in seen:
+            key = copy_key(t)
+            if key in seen:
                 copies += 1
                 continue
-            seen.add(t)
+            seen.add(key)
             raw = t.encode("utf-8")
             if len(raw) > left:
                 t = raw[:left].decode("utf-8", errors="ignore")

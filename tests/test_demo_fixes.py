@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("tqdm")
 
 from comera_compile.benchmarks import galore, tt_linear  # noqa: E402
-from comera_compile.examples import code_mlm, demo_report, demo_train  # noqa: E402
+from comera_compile.examples import code_data, code_mlm, demo_report, demo_train  # noqa: E402
 from comera_compile.layers import TTLinear  # noqa: E402
 from test_demo import _check_figures, _run_cli, tiny_data  # noqa: E402,F401  (tiny_data: the fixture)
 
@@ -182,3 +182,26 @@ def test_galore_persistent_bytes_counts_the_projection_matrices():
         else:
             floats += 2 * p.numel()
     assert galore.persistent_bytes(model, opt) == 4 * floats
+
+
+# -- 6. a file copied under two paths is held out or trained, never both ------------------------------------
+def test_a_file_copied_under_two_paths_is_held_out_or_trained_never_both(tmp_path):
+    """--data with a/ and b/ holding the same 20 files (plain copies, not links; one of b's without its final
+    newline): each text is read once, so no held-out text is in training, whatever the seed; the 20 texts are
+    all used, and the copies skipped are counted (Corpus.copies)."""
+    import random
+
+    rng = random.Random(1)
+    texts = [f"@@{i:04d}@@\n" + " ".join(rng.choice(["alpha", "beta", "gamma", "delta"]) for _ in range(200)) + "\n"
+             for i in range(20)]
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        for i, t in enumerate(texts):
+            (tmp_path / folder / f"m{i}.py").write_text(t.rstrip("\n") if (folder, i) == ("b", 7) else t)
+    for seed in range(5):
+        corpus = code_data.load_corpus(tmp_path, seed, 0.1, 10_000_000)
+        held = {t.strip() for t in corpus.heldout_texts}
+        trained = {t.strip() for t in corpus.train_texts}
+        assert held and not held & trained, f"seed {seed}: held-out files also in training"
+        assert held | trained == {t.strip() for t in texts} and len(corpus.train_texts) == len(trained)
+        assert len(corpus.heldout_files) == 4 and corpus.copies == 20

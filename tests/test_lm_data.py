@@ -543,3 +543,19 @@ def test_read_until_budget(texts, budget):
     assert size >= min(budget, whole) - 3  # a character cut at the boundary loses at most 3 bytes
     assert all(t.strip() for t in got[:-1]) and all(t in texts for t in got[:-1])
     assert len(set(got)) == len(got)
+
+
+def test_copies_a_stray_newline_apart_stay_on_one_side(tmp_path):
+    """A single text file whose first document is repeated (documents joined by end-of-text markers, each
+    marker followed by a newline: the first copy reads "X\\n", later ones "\\nX\\n"), and a file of paragraphs
+    whose last one repeats an earlier one with no final newline ("X" against "X\\n"): the copies are one
+    document, held out or trained, never both (decoded from the blocks), whatever the seed."""
+    docs = [d.replace("\n", " ").strip() for d in _docs(20, words=80)]
+    (tmp_path / "dump.txt").write_text("".join(d + EOT_TOKEN + "\n" for d in docs + [docs[0]] * 3))
+    (tmp_path / "paras.txt").write_text("\n\n".join(docs + [docs[5]]))   # no newline at the end
+    for name in ("dump.txt", "paras.txt"):
+        for seed in range(12):
+            lm = load_lm_data(tmp_path / name, **SMALL, val_fraction=0.2, seed=seed)
+            held, trained = _held_and_trained(lm, 20)
+            assert held and not held & trained, f"{name}, seed {seed}: held-out {sorted(held & trained)} also train"
+            assert sum(lm.documents) == 20
