@@ -8,10 +8,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from comera_compile.examples.demo_report import (NO_STEADY_STEP, precision_words, ratio, reach_time, skipped_words,
-                                                 smooth, wall_words)
+from comera_compile.examples.demo_report import (NO_STEADY_STEP, budget_line, ended_by, precision_words, ratio,
+                                                 reach_time, skipped_words, smooth, wall_words)
 
-__all__ = ["LABELS", "mean_rank", "summarize", "format_table", "plot"]
+__all__ = ["LABELS", "mean_rank", "summarize", "end_row", "format_table", "plot"]
 
 LABELS = {"dense": "dense", "comera": "CoMERA", "galore": "GaLore"}
 
@@ -54,6 +54,19 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             m["mean_rank_end"] = mean_rank(r["ranks_end"])
         out["methods"][name] = m
     return out
+
+
+def end_row(result: dict[str, Any]) -> str:
+    """The table's label of the final perplexities, by the budget that ended the runs: "at equal time" or "at
+    equal steps" where one ended them all (with --minutes and a --steps cap, the one reached first), else each
+    run's ("at the end of each run (dense: the 600-step cap, CoMERA: 12 min)")."""
+    cfg, runs = result["config"], result["runs"]
+    ends = {name: ended_by(run, cfg) for name, run in runs.items()}
+    if len(set(ends.values())) == 1:
+        return f"val perplexity (loss) at equal {next(iter(ends.values()))}"
+    each = ", ".join(f"{LABELS.get(n, n)}: " + (f"{cfg['minutes']:g} min" if e == "time" else
+                                                 f"the {cfg['steps']:,}-step cap") for n, e in ends.items())
+    return f"val perplexity (loss) at the end of each run ({each})"
 
 
 def _mib(n: float | None) -> str:
@@ -149,9 +162,8 @@ def format_table(result: dict[str, Any]) -> str:
         ("decoder-layer parameters, start -> end", "decoder"),
         ("active TT parameters, start -> end", "tt"),
         ("mean active TT rank, start -> end", "rank"),
-        # the budget's end: equal time on a wall-clock budget, equal steps (and tokens) on a step budget
-        (f"val perplexity (loss) at equal {'time' if result['config']['minutes'] is not None else 'steps'}",
-         "time_ppl"),
+        # the budget's end: equal time on a wall-clock budget, equal steps (and tokens) where the steps ended it
+        (end_row(result), "time_ppl"),
         (f"val perplexity (loss) at {b}'s {k_tokens} tokens", "token_ppl"),
         (f"time to reach {b}'s final val perplexity {s['baseline_val_ppl']:.2f}", "reach"),
     ]
@@ -165,7 +177,6 @@ def format_table(result: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(f"{c:<{widths[0]}}" if i == 0 else f"{c:>{widths[i]}}" for i, c in enumerate(r))
               + " |" for r in table]
     cfg, model, data = result["config"], result["model"], result["data"]
-    budget = f"{cfg['minutes']:g} min" if cfg["minutes"] is not None else f"{cfg['steps']} steps"
     where = result["device"] if result.get("device", "cpu") != "cpu" else f"{result['threads']} thread(s)"
     if result.get("processes", 1) > 1:
         where += f" per process, {result['processes']} processes (DDP)"
@@ -173,6 +184,7 @@ def format_table(result: dict[str, Any]) -> str:
     if "comera" in runs and "tt_cores" in runs["comera"].get("lr_groups", {}):
         groups = runs["comera"]["lr_groups"]
         lrs += f" (CoMERA's TT cores {groups['tt_cores']:g}, rank gates {groups['rank_gates']:g})"
+    first = " that ends first" if cfg["minutes"] is not None and cfg["steps"] is not None else ""
     parts = cfg.get("micro_batches", 1)
     accumulated = f" (each in {parts} micro-batches, gradients accumulated)" if parts > 1 else ""
     lines += [
@@ -183,10 +195,11 @@ def format_table(result: dict[str, Any]) -> str:
         + (f" CoMERA from TT rank {cfg['rank']}." if "comera" in runs else "")
         + (f" GaLore rank {cfg['galore_rank']}, refresh every {cfg['galore_gap']} steps, scale "
            f"{cfg['galore_scale']:g}." if "galore" in runs else ""),
-        f"Budget {budget} per model; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the same "
-        f"order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, "
-        f"{cfg['warmup_steps']} warm-up steps then cosine to {cfg['min_lr_ratio']:g}x over the budget, gradient "
-        f"clipping {'off' if cfg['clip'] is None else cfg['clip']}; seed {cfg['seed']}; {where}.",
+        f"{budget_line(cfg, runs, LABELS)}; batches of {cfg['batch']} x {cfg['seq_len']} tokens{accumulated}, the "
+        f"same order for every model, in {precision_words(runs[names[0]])}; AdamW-family, peak lr {lrs}, "
+        f"{runs[names[0]].get('warmup_steps', cfg['warmup_steps'])} warm-up steps then cosine to "
+        f"{cfg['min_lr_ratio']:g}x over the budget{first}, gradient clipping "
+        f"{'off' if cfg['clip'] is None else cfg['clip']}; seed {cfg['seed']}; {where}.",
         f"Validation: {data['val_blocks']} blocks ({data['val_tokens']:,} predicted tokens) of documents never "
         f"trained on, evaluated eagerly; perplexity = exp(mean next-token loss). Data: {data['source']}. "
         f"W{wall_words(result, LABELS)[1:]}.",

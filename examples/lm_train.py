@@ -30,7 +30,9 @@ def lr_factor(step: int, progress: float, warmup_steps: int, warmup_end: float, 
 
     On a budget of T steps, progress = step / T and warmup_end = warmup_steps / T: the usual
     cosine-with-warm-up schedule by steps.  On a time budget both are fractions of the wall clock, so the
-    schedule ends at the floor when the time does, whatever the step count turns out to be."""
+    schedule ends at the floor when the time does, whatever the step count turns out to be.  With both (a
+    step cap on a time budget), Schedule passes the larger of the two fractions: the schedule runs over
+    whichever budget ends the run."""
     if step <= warmup_steps:
         return step / max(1, warmup_steps)
     q = 1.0 if warmup_end >= 1 else min(1.0, max(0.0, (progress - warmup_end) / (1.0 - warmup_end)))
@@ -39,7 +41,8 @@ def lr_factor(step: int, progress: float, warmup_steps: int, warmup_end: float, 
 
 class Schedule:
     """Sets every param group's lr to its peak (the group's lr when the optimizer was built) times
-    lr_factor, before each step; groups keep their ratios (CoMERA's cores, gates and the rest)."""
+    lr_factor, before each step; groups keep their ratios (CoMERA's cores, gates and the rest).  The budget
+    is `budget_s` seconds, `steps` steps, or both (whichever ends first)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup_steps: int, floor: float,
                  budget_s: float | None, steps: int | None) -> None:
@@ -50,9 +53,13 @@ class Schedule:
             g.setdefault("peak_lr", float(g["lr"]))
 
     def progress(self, step: int, elapsed: float) -> float:
-        """The fraction of the budget used: of the time budget when the step starts, else of the steps once
-        it is taken."""
-        return elapsed / self.budget_s if self.budget_s is not None else step / self.steps
+        """The fraction of the budget used: of the time budget when the step starts, of the steps once it is
+        taken; with both, the larger (the budget nearer its end, which ends the run if the pace holds)."""
+        return self._fraction(step, elapsed)
+
+    def _fraction(self, steps: float, elapsed: float) -> float:
+        time = elapsed / self.budget_s if self.budget_s is not None else 0.0
+        return max(time, steps / self.steps if self.steps is not None else 0.0)
 
     def before(self, step: int, elapsed: float) -> float:
         """Set the learning rates of 1-based `step`, starting at `elapsed` training seconds; returns the
@@ -60,7 +67,8 @@ class Schedule:
         p = self.progress(step, elapsed)
         if self.warmup_end is None and step > self.warmup_steps:
             # the warm-up's end, in the budget's unit: on a step budget W / T, on a time budget the clock then
-            self.warmup_end = self.warmup_steps / self.steps if self.budget_s is None else p
+            # (with both, the larger)
+            self.warmup_end = self._fraction(self.warmup_steps, elapsed)
         f = lr_factor(step, p, self.warmup_steps, self.warmup_end if self.warmup_end is not None else 0.0,
                       self.floor)
         for g in self.optimizer.param_groups:
@@ -195,8 +203,10 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
     dense: AdamW, the step compiled by cc.compile_step with Inductor.  comera: `model` already tensorized;
     AdamW on cc.param_groups(model, lr), cc.RankAdaptive at its defaults, cc.compile_step with backend
     "comera", ra.loss / ra.step around it.  galore: GaLoreAdamW, the model compiled with Inductor as dense's,
-    the optimizer eager.  Validation at cfg.evals equal marks of the budget and when the token count
-    reaches each of `eval_tokens` (the first method's final count); the clock stops while it runs.  The step
+    the optimizer eager.  Validation at cfg.evals equal marks of the budget (with --minutes and a --steps cap,
+    of either: cfg.evals marks of whichever ends the run) and when the token count reaches each of
+    `eval_tokens` (the first method's final count); the clock stops while it runs.  With a step cap, the
+    warm-up is cut to leave at least one step of the cap for the cosine decay.  The step
     that starts a second pass over the training text is logged: from there batches repeat, and validation
     perplexity no longer measures learning from new text alone."""
     import comera_compile as cc
@@ -240,16 +250,21 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
 
     budget = cfg.minutes * 60.0 if cfg.minutes is not None else None
     warmup = cfg.warmup()
-    schedule = Schedule(opt, warmup, cfg.min_lr_ratio, budget, None if budget is not None else cfg.steps)
+    if cfg.steps is not None and warmup >= cfg.steps:   # a warm-up the cap cuts short would never decay
+        warmup = max(0, cfg.steps - 1)
+        if world.main:
+            log(f"{method}: the warm-up ({cfg.warmup()} steps) is cut to {warmup} to leave the {cfg.steps}-step cap a "
+                f"step of cosine decay")
+    schedule = Schedule(opt, warmup, cfg.min_lr_ratio, budget, cfg.steps)   # over whichever budget ends first
     tokens_per_step = cfg.batch * cfg.seq_len
     per_pass = steps_per_pass(train.shape[0], cfg.batch)
-    if budget is not None:
-        time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)]
-        step_marks: set[int] = set()
-    else:
-        time_marks = []
-        step_marks = {max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)}
-    step_marks |= {-(-t // tokens_per_step) for t in eval_tokens}
+    # cfg.evals marks of each budget given; an evaluation each time the run passes its next mark of either, so a
+    # run ended by its step cap before its time (or the reverse) is evaluated cfg.evals times all the same
+    time_marks = [budget * (i + 1) / cfg.evals for i in range(cfg.evals)] if budget is not None else []
+    cap_marks = ([max(1, round(cfg.steps * (i + 1) / cfg.evals)) for i in range(cfg.evals)]
+                 if cfg.steps is not None else [])
+    marks_passed = 0
+    step_marks = {-(-t // tokens_per_step) for t in eval_tokens}   # the first method's tokens: equal tokens
     history: dict[str, list] = {"step": [], "tokens": [], "time_s": [], "loss": [], "lr": [], "step_time_s": [],
                                 "active_tt_params": []}
     evals: list[dict[str, Any]] = []
@@ -312,11 +327,10 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
                             f"({flags})")
         bar.set_postfix(loss=f"{step_loss:.3f}", step=f"{dt * 1e3:.0f}ms", refresh=False)
         bar.update(1 if total is not None else min(round(elapsed), round(budget)) - bar.n)
-        due = step in step_marks
-        while time_marks and elapsed >= time_marks[0]:
-            time_marks.pop(0)
-            due = True
-        if due:
+        passed = max(sum(elapsed >= m for m in time_marks), sum(step >= m for m in cap_marks))
+        due = step in step_marks or passed > marks_passed
+        marks_passed = passed
+        if due or (cfg.steps is not None and step == cfg.steps):
             record_eval()
     bar.close()
     if not evals or evals[-1]["step"] != step:
@@ -344,6 +358,7 @@ def train_one(method: str, model: nn.Module, cfg: PretrainConfig, train: torch.T
         "tokens": step * tokens_per_step,
         "passes": passes(step, train.shape[0], cfg.batch),
         "time_s": elapsed,
+        "ended_by": "steps" if cfg.steps is not None and step >= cfg.steps else "time",   # the budget that ended it
         "median_step_s": median,
         "tokens_per_s": None if median is None else tokens_per_step / median,
         "tokens_per_s_overall": step * tokens_per_step / elapsed,

@@ -221,3 +221,35 @@ def test_jsonl_records_and_text_file_paragraphs_with_invalid_utf8_are_skipped_an
     data = load_lm_data(tmp_path / "para.txt", seq_len=32, vocab_size=300, max_bytes=10**6)
     assert "1 document(s) with invalid UTF-8 skipped" in data.source and sum(data.documents) == 19
     assert "DOC014" not in _decoded(data).split() and "\ufffd" not in _decoded(data)
+
+
+# -- 6. --minutes with a --steps cap that ends the run ---------------------------------------------------------
+def test_a_step_cap_that_ends_a_time_budget_keeps_the_evaluations_schedule_and_says_so(tmp_path, micro,
+                                                                                        monkeypatch):
+    """--minutes 5 --steps 6 --evals 3 (eager steps on the micro model): the step cap ends the run, so it is
+    evaluated at steps 2, 4 and 6 (as --steps alone is), its learning rate follows the cosine over the 6 steps
+    (warm-up 1, then down to a tenth at step 6: the reference formula, not the clock's few seconds of 5
+    minutes), results.json says "ended_by": "steps" and the table calls the end equal steps, not equal time."""
+    import math
+
+    import comera_compile as cc
+
+    real_step = cc.compile_step
+    monkeypatch.setattr(cc, "compile_step", lambda *a, **k: real_step(*a, **{**k, "backend": "eager"}))
+    monkeypatch.setattr(lp, "warm_up_compiler", lambda device: 0.0, raising=False)   # no Inductor here
+    out = tmp_path / "out"
+    assert main(["pretrain", "--preset", "micro", "--out", str(out), "--methods", "dense", "--minutes", "5",
+                 "--steps", "6", "--evals", "3", "--data", str(_documents(tmp_path / "text")), *MICRO_ARGS]) == 0
+    run = json.loads((out / "results.json").read_text())["runs"]["dense"]
+    assert run["steps"] == 6 and run["ended_by"] == "steps" and run["time_s"] < 60
+    assert [e["step"] for e in run["evals"]] == [2, 4, 6]
+
+    def reference(k: int, total: int = 6, warmup: int = 1) -> float:
+        if k <= warmup:
+            return k / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (k - warmup) / (total - warmup)))
+
+    assert run["history"]["lr"] == pytest.approx([run["lr"] * reference(k) for k in range(1, 7)], rel=1e-9)
+    table = (out / "table.md").read_text()
+    assert "val perplexity (loss) at equal steps" in table and "equal time" not in table
+    assert "Budget 5 min or 6 steps per model, whichever ends first (both stopped at the 6-step cap)" in table
