@@ -281,8 +281,9 @@ def weigh(loss: torch.Tensor, count: torch.Tensor, total: torch.Tensor) -> torch
     """A micro-batch's token-mean loss times its share ``count / total`` of the batch's label tokens; zero
     where it has none, whose mean is NaN (a NaN the loss's own backward makes there still flows: accumulate
     leaves such parts out, or runs them without their loss, _zero_backward)."""
-    share = count.float() / total.float()   # a 16-bit loss's dtype rounds counts above 256 (bf16), or 65,504 to inf
-    weighed = (loss.float() * share).to(loss.dtype)
+    wide = torch.promote_types(loss.dtype, torch.float32)   # a 16-bit dtype rounds counts (bf16) or overflows
+    share = count.to(wide) / total.to(wide)
+    weighed = (loss.to(wide) * share).to(loss.dtype)
     return torch.where(count > 0, weighed, torch.zeros((), dtype=loss.dtype, device=loss.device))
 
 

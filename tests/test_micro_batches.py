@@ -47,9 +47,10 @@ def test_micro_batches_train_as_eager_steps_on_the_whole_batch():
 
 
 def _assert_trains_as_eager(step, model: nn.Module, ref: nn.Module, ref_opt: torch.optim.Optimizer, calls: list,
-                            ref_loss, loss_tol: tuple[float, float] = (1e-12, 1e-12)) -> None:
+                            ref_loss, loss_tol: tuple[float, float] = (1e-12, 1e-12), param_atol: float = 1e-12
+                            ) -> None:
     """step(*args, **kwargs) for each call against an eager step of ref on the whole batch, call by call: the
-    loss (within loss_tol, rtol and atol) and every parameter (float64)."""
+    loss (within loss_tol, rtol and atol) and every parameter (float64, rtol 1e-10, atol param_atol)."""
     for i, (args, kwargs) in enumerate(calls):
         loss = step(*args, **kwargs)
         expected = ref_loss(*args, **kwargs)
@@ -59,7 +60,7 @@ def _assert_trains_as_eager(step, model: nn.Module, ref: nn.Module, ref_opt: tor
         torch.testing.assert_close(loss, expected.detach(), rtol=loss_tol[0], atol=loss_tol[1],
                                    msg=f"loss of step {i}")
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{name} after step {i}")
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=param_atol, msg=f"{name} after step {i}")
 
 
 @pytest.mark.parametrize("regional", [True, False], ids=["blocks", "whole-model"])
@@ -210,9 +211,10 @@ def test_micro_batches_of_a_padded_transformers_batch_make_its_token_mean(family
     ref_opt = _optimizer(ref)
     model = _transformers_model(family)
     step = cc.compile_step(model, None, _optimizer(model), backend="eager", micro_batches=3)
-    # transformers computes the loss in float32 (its logits upcast), the gradients in float64
+    # transformers computes the loss in float32 (its logits upcast), the gradients in float64; GPT-2's key bias
+    # gets a gradient of rounding noise (softmax ignores it), which AdamW scales up: 1e-12-sized differences
     _assert_trains_as_eager(step, model, ref, ref_opt, [((), batch) for batch in batches],
-                            lambda **batch: ref(**batch).loss, loss_tol=(1e-6, 1e-7))
+                            lambda **batch: ref(**batch).loss, loss_tol=(1e-6, 1e-7), param_atol=1e-11)
     rows = _transformers_model(family)
     by_rows = cc.compile_step(rows, None, _optimizer(rows), backend="eager", micro_batches=3,
                               micro_batch_weights="rows")
