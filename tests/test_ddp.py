@@ -322,19 +322,27 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
     with the parameters of one process's eager SGD steps on the whole batch, and each process's call returns
     its own half's token mean (1e-6: transformers computes the loss in float32 even for a float64 model).  The
     mean of the two halves' token means, DDP's plain average, is another gradient.  The same loss as a loss_fn
-    (nn.CrossEntropyLoss of the shifted logits and labels) counts the same tokens."""
+    (nn.CrossEntropyLoss of the shifted logits and labels) counts the same tokens; its reference is that loss in
+    float64 too (against the model's own float32 loss a parameter once differed by 1.3e-9, past the bound)."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "tokens")
     mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def reference(batch: dict) -> torch.Tensor:
+        if loss == "model":
+            return model(**batch).loss
+        logits = _ShiftedLogits(model)(batch["input_ids"], batch["attention_mask"])
+        return nn.functional.cross_entropy(logits, batch["labels"][:, 1:])
+
     for step, batch in enumerate(_padded_llama_batches()):
         for r, half in enumerate((slice(0, 4), slice(4, 8))):
             with torch.no_grad():
-                want = model(**{k: v[half] for k, v in batch.items()}).loss
+                want = reference({k: v[half] for k, v in batch.items()})
             torch.testing.assert_close(results[r]["losses"][step], want, rtol=1e-6, atol=0, check_dtype=False)
-        model(**batch).loss.backward()
+        reference(batch).backward()
         opt.step()
         opt.zero_grad()
     for r in range(2):

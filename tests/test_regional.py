@@ -8,6 +8,7 @@ import copy
 import importlib
 import os
 import socket
+import statistics
 import warnings
 
 import pytest
@@ -611,7 +612,10 @@ def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_ea
     (cc.compile_blocks), the logged losses and the trained parameters are those of the same Trainer run
     eagerly; two graphs serve every layer and length (the first length's, then a dynamic one), none eager.
     RankAdaptive runs in both through its callback, its late stage from step 2: each step's loss it is fed is
-    the one the Trainer logs (the micro-batches' shares of the token mean added)."""
+    the one the Trainer logs (the micro-batches' shares of the token mean added).  Each parameter is within
+    1e-4 of its norm of the eager run's, plus that run's own distance from the same run in float64: AdamW's
+    first steps are near sign(gradient), so a rounding apart on a near-zero gradient moves an element by up
+    to a step, in float32 eager as much as compiled."""
     base = _model("llama")
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(8, 61, (24,), generator=g).tolist()
@@ -635,16 +639,17 @@ def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_ea
         assert [r.loss for r in ra.history] == pytest.approx(logged, rel=1e-5) and ra.stage == "late"
         return logged
 
-    eager = copy.deepcopy(base)
+    eager, exact = copy.deepcopy(base), copy.deepcopy(base).double()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         eager_losses = train(eager)
+        train(exact)
         cc.compile_blocks(base)
         losses = train(base)
     assert len(losses) == 3
     torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
-    for (name, p), q in zip(base.named_parameters(), eager.parameters()):
-        assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
+    for (name, p), q, r in zip(base.named_parameters(), eager.parameters(), exact.parameters()):
+        assert (p - q).norm() <= 1e-4 * q.norm() + (q.double() - r).norm() + 1e-6, name
     assert _graphs() == 2 and eager_blocks(base) == {}
 
 
@@ -684,8 +689,12 @@ def test_a_12_layer_llama_at_float16_trains_as_torch_s_gradscaler_loop(fresh_dyn
     """compile_step at its defaults (backend "comera", the 12 layers compiled one by one) with
     autocast=torch.float16, the model's own loss over padded labels, two micro-batches and RankAdaptive:
     4 steps against torch's eager float16 recipe on the whole batch (autocast forward, GradScaler: scale,
-    unscale_, step, update; then ra.step).  The losses agree to float16's precision, the parameters within 5%
-    of the eager run's update, no step is skipped, RankAdaptive steps alike, one graph serves every layer."""
+    unscale_, step, update; then ra.step).  The losses agree to float16's precision, no step is skipped,
+    RankAdaptive steps alike, one graph serves every layer.  The parameters' distance from the eager run's,
+    relative to its update, is judged as float16 noise allows (torch's own recipe over two micro-batches
+    differs from its whole batch by up to 12% on a single AdamW parameter): at most 1% at the median and
+    0.2% over all parameters, 25% at worst; weighing each micro-batch by half instead of its token share
+    moves the median to 1.8%."""
     model = _model("llama")
     twin = copy.deepcopy(model)
     start = [p.detach().clone() for p in twin.parameters()]
@@ -718,8 +727,12 @@ def test_a_12_layer_llama_at_float16_trains_as_torch_s_gradscaler_loop(fresh_dyn
         skipped.append(step.skipped)
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-2, atol=1e-2)
     assert not any(skipped) and ra.steps == twin_ra.steps == 4 and step.scaler.get_scale() == scaler.get_scale()
-    for (name, p), q, p0 in zip(model.named_parameters(), twin.parameters(), start):
-        assert (p - q).norm() <= 0.05 * (q - p0).norm() + 1e-6, name
+    apart = {name: (p - q).norm() for (name, p), q in zip(model.named_parameters(), twin.parameters())}
+    update = {name: (q - p0).norm() for name, q, p0 in zip(apart, twin.parameters(), start)}
+    relative = {name: float(apart[name] / (update[name] + 1e-12)) for name in apart}
+    assert statistics.median(relative.values()) <= 0.01
+    assert torch.stack(list(apart.values())).norm() <= 0.002 * torch.stack(list(update.values())).norm()
+    assert max(relative.values()) <= 0.25, max(relative, key=relative.get)
     assert _graphs() == 1 and eager_blocks(model) == {}
 
 

@@ -236,8 +236,8 @@ def test_last_call_compiled_marks_the_calls_that_compiled(monkeypatch):
 
 def test_rank_reallocation_and_the_late_stage_capture_anew(monkeypatch):
     """The late stage (from step 10) changes the loss and its pruning toward the size target cuts the cores
-    (new Parameters, at step 12): each makes the step warm up and capture anew, and the run matches an eager
-    loop cut the same way, loss for loss."""
+    (new Parameters, first at step 12; it may cut again at the last step): each makes the step warm up and
+    capture anew, and the run matches an eager loop cut the same way, loss for loss and rank for rank."""
     batches = _batches(16)
 
     def run(captured: bool):
@@ -266,7 +266,7 @@ def test_rank_reallocation_and_the_late_stage_capture_anew(monkeypatch):
 
     losses, ra, captures = run(True)
     ref_losses, ref_ra, _ = run(False)
-    assert ra.cuts == ref_ra.cuts == 1 and ra.ranks() == ref_ra.ranks() and ra.stage == ref_ra.stage == "late"
+    assert ra.cuts == ref_ra.cuts >= 1 and ra.ranks() == ref_ra.ranks() and ra.stage == ref_ra.stage == "late"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
     # captured at step 3, replayed to step 10; steps 11-12 warm up for the late stage, 13-14 for the cut
     assert captures == [0, 0] + [1] * 12 + [2, 2], str(captures)
