@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from comera_compile import compiled_region
-from comera_compile.layers import TTLayer
+from comera_compile import compiled_region, networks
+from comera_compile.layers import TTLayer, TTLinear
 
 __all__ = ["repeated_blocks", "compile_block", "compile_blocks", "is_compiled_block", "cache_off_by_default",
            "eager_blocks", "drop_stale_graphs"]
@@ -55,7 +55,9 @@ def compile_block(block: nn.Module, *, name: str | None = None, **compile_kwargs
     this package that calls the block, which dynamo inlines the block into, without wrapping the block in
     another module (its name and state_dict keys stay the user's).  The function has one code object per
     block class: dynamo keys its cache and recompile limit on the code object, so blocks of one class share
-    one compiled graph and other classes do not count against it.
+    one compiled graph and other classes do not count against it.  The block runs under that limit raised by
+    the graphs its TT layers' row-count plans may add (a graph per contraction order a changing batch
+    reaches), so padded batches of changing length keep it compiled.
 
     Where dynamo would run the block eagerly from its recompile limit on, it runs eagerly with a warning that
     names the block (``name``, else its class) and the fix, once per block class and cause among the blocks
@@ -111,6 +113,8 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
     except ImportError:   # a torch without it: dynamo's own fallback (and its own warning)
         FailOnRecompileLimitHit = type("FailOnRecompileLimitHit", (Exception,), {})
     flag = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else None
+    limit_name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    planned = _plan_graphs(block)
     call_impl = block._call_impl
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -136,8 +140,11 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         # higher-order op, where dynamo breaks the graph at any side effect, and the block ran eagerly: since
         # transformers 5.25 every Llama attention sets a context variable (the kernels hub's).  Side effects
         # there run once, in the forward, not again in the backward's recompute.
-        saved = {setting: getattr(config, setting) for setting in _SETTINGS}
-        for setting, value in _SETTINGS.items():
+        settings = dict(_SETTINGS)
+        if limit_name is not None:   # the graphs the TT layers' plans make by design do not count against it
+            settings[limit_name] = getattr(config, limit_name) + planned
+        saved = {setting: getattr(config, setting) for setting in settings}
+        for setting, value in settings.items():
             setattr(config, setting, value)
         region = compiled_region.enter(type(block), f"compiled block {name} ({type(block).__name__})", block)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
@@ -153,7 +160,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
             return compiled(*args, **kwargs)
         except FailOnRecompileLimitHit as e:
             setattr(config, flag, before)
-            limit = getattr(config, "recompile_limit", getattr(config, "cache_size_limit", "?"))
+            limit = getattr(config, limit_name) if limit_name else "?"
             why = (f"dynamo's recompile limit ({limit} graphs per block class) was reached: its inputs or "
                    f"attributes match none of the graphs compiled for {type(block).__name__} so far")
             fix = ("see which guard failed with TORCH_LOGS=recompiles; make the blocks' inputs and attributes "
@@ -178,6 +185,20 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
 
 def _holds_tt_layers(block: nn.Module) -> bool:
     return any(isinstance(m, TTLayer) for m in block.modules())
+
+
+def _plan_graphs(block: nn.Module) -> int:
+    """How many graphs the block's TT layers may add by design: a TT layer picks its contraction order by
+    comparing the row count with its plans' thresholds (networks.tt_linear_segments), and dynamo compiles a
+    graph per segment a dynamic row count reaches, in training and in evaluation.  Without these in the
+    recompile limit, padded batches of changing length plus evaluation reached dynamo's 8 on a 12-layer Llama
+    and every block ran eagerly from then on."""
+    thresholds = set()
+    for module in block.modules():
+        if isinstance(module, TTLinear):
+            for mode in ((True, True), (True, False), (False, True), (False, False)):
+                thresholds.update((mode, t) for t in networks.tt_linear_segments(module.spec.token, *mode)[0])
+    return len(thresholds)
 
 
 def _run_eagerly(call_impl: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -224,8 +245,6 @@ def drop_stale_graphs(model: nn.Module) -> int:
     the run.  RankAdaptive calls this after each cut.  Other models sharing these code objects (their
     classes, another compiled step) compile again on their next call.  Returns the number of code objects
     reset."""
-    from comera_compile.layers import TTLayer
-
     codes: set[types.CodeType] = set()
     for m in model.modules():
         if not any(isinstance(layer, TTLayer) for layer in m.modules()):

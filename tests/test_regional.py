@@ -430,13 +430,14 @@ class _Indexed(nn.Module):
         return self.lin(x) * self.index
 
 
-def _past_the_recompile_limit(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+def _past_the_recompile_limit(model: nn.Module, x: torch.Tensor, first: str = "8"
+                              ) -> tuple[torch.Tensor, list[str]]:
     """model's blocks compiled (backend "eager") and called once: its eager output (which the compiled call
-    must give too) and the warnings that a block runs eagerly."""
+    must give too) and the warnings that a block (`first`, a pattern) runs eagerly."""
     with torch.no_grad():
         want = model(x)
     cc.compile_blocks(model, backend="eager")
-    with pytest.warns(UserWarning, match=r"block 8 runs eagerly from now on: dynamo's recompile limit") as record:
+    with pytest.warns(UserWarning, match=rf"block {first} runs eagerly from now on: dynamo's recompile limit") as record:
         with torch.no_grad():
             got = model(x)
     torch.testing.assert_close(got, want)
@@ -461,16 +462,18 @@ class _OwnRanks(nn.Module):
 
     def __init__(self, rank: int) -> None:
         super().__init__()
-        self.lin = cc.TTLinear(16, 16, rank=rank, d=2)
+        self.lin = cc.TTLinear(64, 64, rank=rank, d=2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lin(x)
 
 
 def test_blocks_past_the_recompile_limit_for_ranks_of_their_own_are_told_to_share_ranks(fresh_dynamo):
+    """40 blocks of 40 ranks: a graph each, until the limit (dynamo's 8, plus the graphs a TT layer's
+    row-count plans may add) sends the rest to eager, with a warning that says to share ranks."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[_OwnRanks(1 + i % 10) for i in range(10)])
-    _, said = _past_the_recompile_limit(model, torch.randn(2, 16))
+    model = nn.Sequential(*[_OwnRanks(1 + i) for i in range(40)])
+    _, said = _past_the_recompile_limit(model, torch.randn(2, 64), first=r"\d+")
     assert "ra.cut(), not ra.cut(share=False)" in said[0] and "recompile_limit to the number of blocks" in said[0]
 
 
@@ -603,6 +606,37 @@ def test_the_readme_trainer_lines_train_compiled_by_comera_and_save_and_load(tmp
         trainer.model.eval()
         loaded.eval()
         torch.testing.assert_close(loaded(x).logits, trainer.model(x).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lengths_across_every_contraction_order_in_training_and_evaluation_keep_the_blocks_compiled(fresh_dynamo):
+    """Padded batches whose row counts cross every threshold where a TT layer's best contraction order
+    changes (each a graph of its own, by design), in training and then in evaluation, on a 12-layer Llama at
+    compile_step's defaults: more graphs than dynamo's recompile limit of 8, yet no block runs eagerly (at
+    the limit every block ran eagerly for the rest of the run), and every loss and output is the eager
+    model's."""
+    from comera_compile import networks
+    from comera_compile.layers import TTLinear
+
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    specs = {m.spec.token for m in model.model.layers[0].modules() if isinstance(m, TTLinear)}
+    thresholds = sorted({t for spec in specs for t in networks.tt_linear_segments(spec)[0]})
+    lengths = [16, 18] + [max(1, t // 2) for t in thresholds] + [40]   # 2 rows: every segment reached
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, twin))
+    step = cc.compile_step(model, _loss, opt, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for length in lengths:
+        x, y = (torch.randint(0, VOCAB, (2, length), generator=g) for _ in range(2))
+        torch.testing.assert_close(step(x, y), _eager_step(twin, twin_opt, x, y), rtol=1e-4, atol=1e-5,
+                                   msg=f"loss at length {length}")
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        for length in lengths:
+            x = torch.randint(0, VOCAB, (2, length), generator=g)
+            torch.testing.assert_close(model(x, use_cache=False).logits, twin(x, use_cache=False).logits,
+                                       rtol=1e-4, atol=1e-5)
+    assert _graphs() > 8 and eager_blocks(model) == {}
 
 
 def test_the_trainer_accumulating_padded_batches_of_changing_length_trains_as_eager(tmp_path, fresh_dynamo):
