@@ -437,7 +437,8 @@ def _past_the_recompile_limit(model: nn.Module, x: torch.Tensor, first: str = "8
     with torch.no_grad():
         want = model(x)
     cc.compile_blocks(model, backend="eager")
-    with pytest.warns(UserWarning, match=rf"block {first} runs eagerly from now on: dynamo's recompile limit") as record:
+    said = rf"block {first} runs eagerly from now on: dynamo's recompile limit"
+    with pytest.warns(UserWarning, match=said) as record:
         with torch.no_grad():
             got = model(x)
     torch.testing.assert_close(got, want)
