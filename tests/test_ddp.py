@@ -215,6 +215,7 @@ def _stack_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow   # compile_step on DDP transformers models runs in the default tier
 def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_process(tmp_path):
     """cc.compile_step(DDP(model), ..., micro_batches=2) at its defaults finds the layers inside the wrapper and
     compiles them one by one; two processes end with identical parameters, those of one eager process on the
@@ -250,6 +251,7 @@ def _float16_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow   # test_fsdp's overflow on one process runs in the default tier
 def test_a_float16_step_overflowing_on_one_process_is_skipped_by_every_ddp_replica(tmp_path):
     """DDP averages the gradients before the scaler's overflow check, so an overflow on one process is every
     process's: both skip that step and no replica diverges; the steps around it train, alike everywhere."""
@@ -437,6 +439,7 @@ def _deep_tokenless_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow   # its small model's variants run in the default tier
 def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_path):
     """The same on a 12-layer transformers Llama whose blocks compile_step compiles (backend "comera"): the
     process whose rows hold no label token runs its micro-batches with nothing of their own, and both end at
@@ -490,6 +493,7 @@ def _siblings_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+@pytest.mark.slow   # about 3 min
 def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process(tmp_path):
     """Dynamo's DDP optimizer cuts the graph at the gradient buckets and the backend rewrites each piece:
     siblings share their GEMMs only where they fall in one piece, and two processes, each on half of every

@@ -66,6 +66,7 @@ def _check_follows(one: dict, many: dict, processes: int) -> None:
 
 
 @needs_gloo
+@pytest.mark.slow   # about 5 min: test_ddp's two-process tests cover the training it wraps
 def test_demo_on_two_processes_follows_one_process(tmp_path):
     """DDP (the default) with the encoder layers compiled by backend "comera" (the default)."""
     one = _demo(tmp_path, "one", "--threads", "1")

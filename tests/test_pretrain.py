@@ -339,6 +339,7 @@ def test_comera_in_bf16_compiles_one_graph_for_a_12_layer_decoder(keep_threads, 
     assert r["precision"] == "bf16" and all(p.dtype == torch.float32 for p in model.parameters())
 
 
+@pytest.mark.slow   # test_demo's and test_regional's whole-step tests run compile_step's capture
 def test_the_step_trains_the_same_with_the_whole_step_captured(micro, keep_threads, monkeypatch, recwarn):
     """On one GPU pretrain replays the whole step as one CUDA graph ("auto").  Simulated here
     (helpers.SimulatedGraphs: a stale replay fails): the schedule fills the learning rates the captured step
@@ -514,6 +515,7 @@ def test_two_processes_train_as_one_on_the_whole_batch(tmp_path, precision):
         assert "DDP x 2 processes" in two["execution"]
 
 
+@pytest.mark.slow   # about 2 min; the resume tests below run in the default tier
 def test_a_run_stopped_by_ctrl_c_after_replacing_another_resumes_and_evaluates_beside_the_same_method(
         tmp_path, micro, keep_threads, monkeypatch, capsys):
     """A run over a folder of finished runs replaces them at once, so the --resume its Ctrl-C hint names keeps

@@ -187,6 +187,7 @@ def test_the_profile_option_opens_no_range_while_the_profiler_is_off(monkeypatch
     assert opened == []
 
 
+@pytest.mark.slow   # the compiled profiles above check the rows; this is the command's printing
 def test_bench_profile_prints_a_row_per_tt_layer_eager_and_compiled(capsys):
     from comera_compile.cli import main
 

@@ -811,8 +811,9 @@ def test_a_12_layer_llama_trains_as_eager_with_the_whole_step_captured(monkeypat
         assert (p - q).norm() <= 1e-4 * q.norm() + 1e-6, name
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compile_blocks"])
+@pytest.mark.parametrize("compiled,family", [(False, "llama"), (False, "gpt2"), (True, "llama"),
+                                             pytest.param(True, "gpt2", marks=pytest.mark.slow)],
+                         ids=["eager-llama", "eager-gpt2", "compile_blocks-llama", "compile_blocks-gpt2"])
 def test_a_12_layer_decoder_backward_inside_bf16_autocast_matches_outside(family, compiled, fresh_dynamo):
     """`with torch.autocast("cpu", dtype=torch.bfloat16): loss.backward()` -- the loop some users write -- on a
     tensorized 12-layer decoder at tensorize's defaults (TT embedding included), eager and with the blocks

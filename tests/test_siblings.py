@@ -161,7 +161,9 @@ def _llama(layers: int = 2, kv_heads: int = 4):
     return model
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multi-head", "grouped-query"])
+# multi-head (its Inductor leg) is slow: the 12-layer decoders below share their GEMMs through Inductor
+@pytest.mark.parametrize("kv_heads", [pytest.param(4, marks=pytest.mark.slow), 2],
+                         ids=["multi-head", "grouped-query"])
 def test_a_llama_through_the_backend_shares_q_k_v_and_gate_up_and_trains_as_eager(kv_heads):
     """Multi-head: q, k and v share every product, and o their cores'.  Grouped-query (k and v half q's
     width): the three share the GEMM of the input; k and v, alike, share the rest, and q and o the cores'.
@@ -442,7 +444,7 @@ def test_a_layer_called_twice_beside_its_sibling_computes_what_eager_does():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12 * float(b.abs().max()))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_a_12_layer_decoder_trained_by_compile_step_shares_in_one_block_graph_and_trains_as_eager(
         family, shared):
     """compile_step at its defaults but for the pass (on, as on CUDA), on a 12-layer transformers decoder

@@ -196,7 +196,9 @@ def _no_dropout(model):
     return model
 
 
-@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("t5", _t5), ("llama", _llama),
+# T5 here takes about 2 min: slow (test_t5_reads_its_tt_layers_weight_dtype_and_trains and test_pretrained keep it)
+@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2),
+                                         pytest.param("t5", _t5, marks=pytest.mark.slow), ("llama", _llama),
                                          ("vit", _vit)])
 def test_family_trains_eager_and_compiled_and_round_trips(name, factory, tmp_path):
     """tensorize, a training step eager and one under backend "comera" (its logits those of eager at the same
@@ -273,7 +275,8 @@ def _loss(name):
     return lambda out, y: torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), y.flatten())
 
 
-@pytest.mark.parametrize("name,factory", [("bert", _bert), ("gpt2", _gpt2), ("llama", _llama), ("vit", _vit)])
+@pytest.mark.parametrize("name,factory", [pytest.param("bert", _bert, marks=pytest.mark.slow), ("gpt2", _gpt2),
+                                         ("llama", _llama), ("vit", _vit)])   # BERT compiled: the 12-layer test below
 def test_compile_step_at_its_defaults_compiles_each_layer_once_trains_as_eager_and_honours_eval(name, factory):
     """cc.compile_step at its defaults (regional: the stacked layers compiled one by one) on transformers
     models: their layers are the repeated blocks, three SGD steps land where three eager steps do, and
