@@ -55,7 +55,7 @@ gpu-pretrain:  # 6,104 steps of 32 x 256 tokens: 50M tokens per method
 		--resume --no-progress $(GPU_PRETRAIN_ARGS)
 
 test-slow: $(STAMP)  # pytest exits 5 when nothing is marked slow: not an error here
-	$(PY) -m pytest -m slow -q || test $$? -eq 5
+	$(PY) -m pytest -m slow -q -n $(TEST_WORKERS) || test $$? -eq 5
 
 demo: $(STAMP)
 	$(VENV)/bin/comera-compile demo
