@@ -439,7 +439,7 @@ def _deep_tokenless_worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
-@pytest.mark.slow   # its small model's variants run in the default tier
+@pytest.mark.slow   # its small model's variants (above) run in the default tier
 def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_path):
     """The same on a 12-layer transformers Llama whose blocks compile_step compiles (backend "comera"): the
     process whose rows hold no label token runs its micro-batches with nothing of their own, and both end at
