@@ -7,37 +7,48 @@ Graph replays).  A compiled region (a block ``regional`` compiled, compile_step'
 compiled call under ``enter``; a TT layer whose forward runs eagerly meanwhile calls ``ran_eagerly``, which
 warns once per region (a block class, or one step).  Code between two graphs of a region, where dynamo breaks
 the graph but goes on tracing after it, is compiled, and says nothing.
+
+A TT layer traced by torch.compile calls ``allow_segment_graphs``: the graphs its contraction orders
+make by design do not use up dynamo's recompile limit of a model compiled whole.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
+import logging
 import warnings
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["RanEagerlyWarning", "enter", "leave", "watched", "ran_eagerly", "dynamo_runs"]
+from .tt import constant_under_compile
+
+__all__ = ["RanEagerlyWarning", "enter", "leave", "watched", "ran_eagerly", "dynamo_runs", "allow_segment_graphs",
+       ]
+
+log = logging.getLogger(__name__)
 
 
 class RanEagerlyWarning(UserWarning):
     """A compiled region ran one of its TT layers eagerly (a category of its own, for warnings filters)."""
 
 
-# (key, what the region is, the module it runs) of the compiled call running now; None outside one, or in a
-# call meant to run eagerly
-_REGION: contextvars.ContextVar[tuple[object, str, nn.Module] | None] = contextvars.ContextVar(
+# (key, what the region is, the module it runs, whether it raises dynamo's recompile limit for its TT layers'
+# plan segments itself) of the compiled call running now; None outside one, or in a call meant to run eagerly
+_REGION: contextvars.ContextVar[tuple[object, str, nn.Module | None, bool] | None] = contextvars.ContextVar(
     "comera_compiled_region", default=None)
 _WARNED: set[object] = set()
 
 
-def enter(key: object | None, region: str = "", module: nn.Module | None = None) -> contextvars.Token:
+def enter(key: object | None, region: str = "", module: nn.Module | None = None, *, own_limit: bool = False
+          ) -> contextvars.Token:
     """Mark the compiled call about to run: key is what a warning is said once for (None: a call meant to run
     eagerly, whose TT layers say nothing), region what it is, module the module it runs (a warning names the
-    layer within it).  Returns the token ``leave`` takes."""
-    return _REGION.set(None if key is None else (key, region, module))
+    layer within it), own_limit whether the call raises dynamo's recompile limit for its TT layers' plan
+    segments itself (``allow_segment_graphs`` then leaves it).  Returns the token ``leave`` takes."""
+    return _REGION.set(None if key is None else (key, region, module, own_limit))
 
 
 def leave(token: contextvars.Token) -> None:
@@ -60,7 +71,7 @@ def ran_eagerly(layer: nn.Module) -> None:
     if region is None or region[0] in _WARNED:
         return
     _WARNED.add(region[0])
-    _, where, module = region
+    _, where, module, _ = region
     names = {m: n for n, m in module.named_modules()} if module is not None else {}
     name = names.get(layer) or getattr(layer, "comera_name", None) or type(layer).__name__
     warnings.warn(f"comera_compile: a TT layer ran eagerly in a compiled region: {where} ran its TT layer "
@@ -83,3 +94,49 @@ def watched(compiled: Callable[..., Any], key: object, region: str, module: nn.M
             leave(token)
 
     return run
+
+
+# (grad mode, input needs grad, threshold) of the plan segments traced with a symbolic row count, and the
+# recompile limit allow_segment_graphs last set for them
+_SEGMENTS: set[tuple[bool, bool, int]] = set()
+_LIMIT_SET: list[int] = []
+
+
+@constant_under_compile
+def allow_segment_graphs(training: bool, input_grad: bool, thresholds: tuple[int, ...]) -> None:
+    """Called at trace time by a TT layer under torch.compile: in a graph of dynamic shapes, dynamo compiles a
+    graph for each segment between the thresholds where the layer's best contraction order changes that the
+    row count reaches, by design.  ``torch._dynamo.config.recompile_limit`` is raised, for the process, by the number of
+    (mode, threshold) pairs traced so far, so that these graphs leave a model compiled whole the headroom the
+    limit is for (at 8, a 12-layer Llama's padded batches then its evaluation sent the whole model to eager
+    for the rest of the run); a limit set since is raised again on top of the new value.  Said at INFO
+    (``TORCH_LOGS=comera_compile``).  A compiled block raises its own limit, around its call, instead."""
+    region = _REGION.get()
+    if (region is not None and region[3]) or not _dynamic_trace():
+        return
+    config = torch._dynamo.config
+    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    if name is None:
+        return
+    new = {(training, input_grad, t) for t in thresholds} - _SEGMENTS
+    _SEGMENTS.update(new)
+    current = getattr(config, name)
+    ours = bool(_LIMIT_SET) and _LIMIT_SET[0] == current
+    if ours and not new:
+        return
+    target = current + (len(new) if ours else len(_SEGMENTS))
+    setattr(config, name, target)
+    _LIMIT_SET[:] = [target]
+    log.info("comera: torch._dynamo.config.%s raised from %d to %d: a changing row count compiles a graph per "
+             "contraction order of the TT layers it reaches (%d plan thresholds traced)", name, current, target,
+             len(_SEGMENTS))
+
+
+def _dynamic_trace() -> bool:
+    """Whether the graph dynamo is tracing has symbolic sizes (a static one serves one row count only); True
+    where this torch keeps its symbols elsewhere."""
+    from torch._guards import TracingContext
+
+    env = getattr(getattr(TracingContext.try_get(), "fake_mode", None), "shape_env", None)
+    values = next((getattr(env, n) for n in ("backed_var_to_val", "var_to_val") if hasattr(env, n)), None)
+    return env is None or values is None or bool(values)

@@ -350,6 +350,8 @@ class TTLinear(TTLayer):
             # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
             # their thresholds picks one, so dynamic batch sizes need no recompile per size.
             thresholds, programs = networks.tt_linear_segments(spec.token, training, x.requires_grad)
+            # (the graphs of the segments a changing row count reaches: not counted against dynamo's limit)
+            compiled_region.allow_segment_graphs(training, x.requires_grad, thresholds)
             segment = 0
             for t in thresholds:
                 if rows >= t:

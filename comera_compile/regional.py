@@ -146,7 +146,8 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         saved = {setting: getattr(config, setting) for setting in settings}
         for setting, value in settings.items():
             setattr(config, setting, value)
-        region = compiled_region.enter(type(block), f"compiled block {name} ({type(block).__name__})", block)
+        region = compiled_region.enter(type(block), f"compiled block {name} ({type(block).__name__})", block,
+                                       own_limit=limit_name is not None)
         if flag is None or config.suppress_errors:   # no way to hear of the limit: dynamo's own fallback
             try:
                 return compiled(*args, **kwargs)

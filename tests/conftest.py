@@ -65,6 +65,23 @@ def quiet_transformers():
     transformers.logging.set_verbosity(level)
 
 
+@pytest.fixture(autouse=True)
+def _recompile_limit_as_it_was():
+    """A model compiled whole raises dynamo's recompile limit for the process by its TT layers' plan segments
+    (compiled_region.allow_segment_graphs): each test leaves the limit, and the segments seen, as it found them,
+    so no test's limit depends on the tests before it."""
+    from comera_compile import compiled_region
+
+    config = torch._dynamo.config
+    limit, segments, limit_set = config.recompile_limit, set(compiled_region._SEGMENTS), list(
+        compiled_region._LIMIT_SET)
+    yield
+    config.recompile_limit = limit
+    compiled_region._SEGMENTS.clear()
+    compiled_region._SEGMENTS.update(segments)
+    compiled_region._LIMIT_SET[:] = limit_set
+
+
 @pytest.fixture
 def fresh_dynamo():
     """dynamo's caches and counters empty before and after the test: its graphs counted alone, and no test's

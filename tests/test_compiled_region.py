@@ -110,3 +110,36 @@ def test_an_eager_stance_the_user_asked_for_says_nothing_and_compiled_runs_still
             _steps(model, step, n=1)
     with pytest.warns(RanEagerlyWarning, match="compiled block layers.0"):
         _steps(model, step, n=1)
+
+
+def test_a_model_compiled_whole_keeps_compiled_through_every_contraction_order_in_training_and_evaluation(
+        fresh_dynamo):
+    """torch.compile(model) on a tensorized model, row counts reaching every segment of its TT layers' plans
+    (a graph each, by design) in training and then in evaluation: more graphs than dynamo's recompile limit of
+    8, yet none of its calls falls back to eager (the limit hit is an error here), and every loss, gradient and
+    output is the eager model's (float64).  At the limit the whole model used to run eagerly from then on."""
+    from comera_compile import networks
+    from comera_compile.layers import TTLinear
+
+    torch.manual_seed(0)
+    model = cc.tensorize(nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)).double(), rank=8)
+    twin = copy.deepcopy(model)
+    specs = {m.spec.token for m in model.modules() if isinstance(m, TTLinear)}
+    thresholds = sorted({t for spec in specs for t in networks.tt_linear_segments(spec, True, False)[0]})
+    assert len(thresholds) >= 4
+    rows = [thresholds[-1] + 30, thresholds[-1] + 31] + [t - 1 for t in thresholds]   # every segment
+    compiled = torch.compile(model, backend="eager")
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        for n in rows:
+            x = torch.randn(n, 64, dtype=torch.float64)
+            loss, twin_loss = compiled(x).square().mean(), twin(x).square().mean()
+            loss.backward()
+            twin_loss.backward()
+            torch.testing.assert_close(loss, twin_loss, rtol=1e-10, atol=1e-12)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12)
+        with torch.no_grad():
+            for n in rows:
+                x = torch.randn(n, 64, dtype=torch.float64)
+                torch.testing.assert_close(compiled(x), twin(x), rtol=1e-10, atol=1e-12)
+    assert counters["stats"]["unique_graphs"] > 8
