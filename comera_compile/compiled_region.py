@@ -5,7 +5,8 @@ Dynamo runs a part of a compiled function it cannot trace eagerly, without a wor
 replay.  A TT layer run there loses what the compile was for (its contraction in Inductor's kernels, the CUDA
 Graph replays).  A compiled region (a block ``regional`` compiled, compile_step's forward and loss) runs its
 compiled call under ``enter``; a TT layer whose forward runs eagerly meanwhile calls ``ran_eagerly``, which
-warns once per region (a block class, or one step).  Code between two graphs of a region, where dynamo breaks
+warns once per region (a block class, or one step), naming dynamo's recompile limit where compile_step's
+forward and loss hold as many graphs.  Code between two graphs of a region, where dynamo breaks
 the graph but goes on tracing after it, is compiled, and says nothing.
 
 A TT layer traced by torch.compile calls ``allow_segment_graphs``: the graphs its contraction orders
@@ -71,15 +72,42 @@ def ran_eagerly(layer: nn.Module) -> None:
     if region is None or region[0] in _WARNED:
         return
     _WARNED.add(region[0])
-    _, where, module, _ = region
+    key, where, module, _ = region
     names = {m: n for n, m in module.named_modules()} if module is not None else {}
     name = names.get(layer) or getattr(layer, "comera_name", None) or type(layer).__name__
-    warnings.warn(f"comera_compile: a TT layer ran eagerly in a compiled region: {where} ran its TT layer "
-                  f"{name} outside its graph, as dynamo runs code it cannot trace (a torch.compiler.disable-d "
+    said = (f"comera_compile: a TT layer ran eagerly in a compiled region: {where} ran its TT layer {name} "
+            f"outside its graph")
+    limit = _limit_reached(key)
+    if limit is not None:
+        warnings.warn(f"{said}: dynamo's recompile limit ({limit}) was reached for it, so a call whose inputs "
+                      f"match none of its graphs runs eagerly from now on, its contractions op by op, without the "
+                      f"compiled kernels and CUDA Graphs.  To fix it, see which guard failed with "
+                      f"TORCH_LOGS=recompiles and keep that input the same from call to call (a batch of another "
+                      f"size, a flag), or raise torch._dynamo.config.recompile_limit.", RanEagerlyWarning,
+                      stacklevel=4)
+        return
+    warnings.warn(f"{said}, as dynamo runs code it cannot trace (a torch.compiler.disable-d "
                   f"call, a side effect inside an activation checkpoint), so its contraction runs op by op, "
                   f"without the compiled kernels and CUDA Graphs; so may the other TT layers there.  To fix it, "
                   f"find the cause with TORCH_LOGS=graph_breaks and remove it, or compile with fullgraph=True to "
                   f"make it an error.", RanEagerlyWarning, stacklevel=4)
+
+
+def _limit_reached(key: object) -> int | None:
+    """dynamo's recompile limit where the region's function (the key of compile_step's forward and loss) holds
+    that many graphs: then it is why the region ran eagerly; None otherwise."""
+    code = getattr(key, "__code__", None)
+    config = torch._dynamo.config
+    limit = next((getattr(config, n) for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
+    if code is None or limit is None:
+        return None
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    try:
+        held = len(_debug_get_cache_entry_list(code))
+    except Exception:   # a torch that keeps them otherwise: the general cause is said
+        return None
+    return limit if held >= limit else None
 
 
 def watched(compiled: Callable[..., Any], key: object, region: str, module: nn.Module | None = None

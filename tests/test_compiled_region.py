@@ -143,3 +143,26 @@ def test_a_model_compiled_whole_keeps_compiled_through_every_contraction_order_i
                 x = torch.randn(n, 64, dtype=torch.float64)
                 torch.testing.assert_close(compiled(x), twin(x), rtol=1e-10, atol=1e-12)
     assert counters["stats"]["unique_graphs"] > 8
+
+
+def test_a_step_compiled_whole_past_the_recompile_limit_says_so_and_trains_as_eager(fresh_dynamo):
+    """compile_step(regional=False) at a recompile limit of 1: the second batch size matches no graph and
+    dynamo runs forward and loss eagerly; the warning names the limit and how to find the guard (not the
+    causes of code dynamo cannot trace), once, and the steps train as eager ones."""
+    model = _net("plain")
+    eager = copy.deepcopy(model)
+    opt, eager_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager))
+    step = cc.compile_step(model, F.mse_loss, opt, regional=False, backend="eager")
+    g = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(RanEagerlyWarning) as said:
+        for n in (8, 9, 10):
+            x, y = (torch.randn(n, WIDTH, generator=g, dtype=torch.float64) for _ in range(2))
+            loss = F.mse_loss(eager(x), y)
+            loss.backward()
+            eager_opt.step()
+            eager_opt.zero_grad()
+            torch.testing.assert_close(step(x, y), loss.detach(), rtol=1e-10, atol=1e-12)
+    ours = [str(w.message) for w in said if w.category is RanEagerlyWarning]
+    assert len(ours) == 1, ours
+    assert "dynamo's recompile limit (1) was reached" in ours[0] and "TORCH_LOGS=recompiles" in ours[0]
+    assert "disable-d" not in ours[0]
