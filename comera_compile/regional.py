@@ -114,7 +114,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         FailOnRecompileLimitHit = type("FailOnRecompileLimitHit", (Exception,), {})
     flag = "fail_on_recompile_limit_hit" if hasattr(config, "fail_on_recompile_limit_hit") else None
     limit_name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
-    planned = _plan_graphs(block)
+    block.__dict__["_comera_planned"] = _plan_graphs(block)   # drop_stale_graphs counts again after a cut
     call_impl = block._call_impl
 
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -142,7 +142,7 @@ def _dispatch(block: nn.Module, compiled: Callable[..., Any], name: str, fullgra
         # there run once, in the forward, not again in the backward's recompute.
         settings = dict(_SETTINGS)
         if limit_name is not None:   # the graphs the TT layers' plans make by design do not count against it
-            settings[limit_name] = getattr(config, limit_name) + planned
+            settings[limit_name] = getattr(config, limit_name) + block.__dict__.get("_comera_planned", 0)
         saved = {setting: getattr(config, setting) for setting in settings}
         for setting, value in settings.items():
             setattr(config, setting, value)
@@ -243,7 +243,8 @@ def drop_stale_graphs(model: nn.Module) -> int:
     A rank re-allocation replaces TT layers' Parameters with smaller ones, so no graph compiled before it
     runs again; yet each still counts toward dynamo's recompile limit (8 per code object), which a few
     re-allocations with an evaluation graph each would reach, sending the model to eager for the rest of
-    the run.  RankAdaptive calls this after each cut.  Other models sharing these code objects (their
+    the run.  The graphs a compiled block's TT layers add by design are counted again at the new ranks.
+    RankAdaptive calls this after each cut.  Other models sharing these code objects (their
     classes, another compiled step) compile again on their next call.  Returns the number of code objects
     reset."""
     codes: set[types.CodeType] = set()
@@ -255,6 +256,7 @@ def drop_stale_graphs(model: nn.Module) -> int:
             codes.add(forward)
         if is_compiled_block(m):
             codes.add(_block_call(type(m)).__code__)
+            m.__dict__["_comera_planned"] = _plan_graphs(m)   # the new ranks' plans may have more segments
         codes |= m.__dict__.get("_comera_compiled_codes", set())
     if codes:
         import torch._dynamo

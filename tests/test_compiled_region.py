@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Callable
 
 import pytest
 import torch
@@ -166,3 +167,45 @@ def test_a_step_compiled_whole_past_the_recompile_limit_says_so_and_trains_as_ea
     assert len(ours) == 1, ours
     assert "dynamo's recompile limit (1) was reached" in ours[0] and "TORCH_LOGS=recompiles" in ours[0]
     assert "disable-d" not in ours[0]
+
+
+def test_after_a_cut_a_compiled_block_s_limit_leaves_out_the_segments_of_its_new_ranks(fresh_dynamo):
+    """A compiled block's call runs under dynamo's recompile limit raised by the graphs its TT layers add by
+    design (one per plan segment a changing row count reaches, over the four grad modes).  A rank cut changes
+    the plans: these layers' plans have 14 such thresholds at rank 4 and 16 at rank 2, and after the cut the
+    limit the block compiles under leaves out the new ranks' 16, not the old 14."""
+    import itertools
+
+    from helpers import BlockNet
+
+    from comera_compile import networks
+    from comera_compile.layers import TTLinear
+
+    limits = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs) -> Callable:
+        limits.append(torch._dynamo.config.recompile_limit)
+        return gm.forward
+
+    def segments() -> int:
+        return len({(mode, t) for m in model.blocks[0].modules() if isinstance(m, TTLinear)
+                    for mode in itertools.product((True, False), repeat=2)
+                    for t in networks.tt_linear_segments(m.spec.token, *mode)[0]})
+
+    torch.manual_seed(0)
+    model = cc.tensorize(BlockNet(width=128), rank=4, min_features=16)
+    ra = cc.RankAdaptive(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), cut_every=1,
+                         realloc_at=1.0)
+    cc.compile_blocks(model, backend=backend)
+    x, base, before = torch.randn(8, 16), torch._dynamo.config.recompile_limit, segments()
+    model(x)
+    assert limits == [base + before]
+    with torch.no_grad():   # rank 2 on every bond: the cut check cuts the rest out
+        for layer in ra.layers.values():
+            for gate in layer.gates:
+                gate[2:] = 0.0
+    assert ra.step()
+    after = segments()
+    assert (before, after) == (14, 16)
+    model(x)
+    assert limits == [base + before, base + after]
