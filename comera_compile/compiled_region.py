@@ -26,8 +26,8 @@ from torch import nn
 
 from .tt import constant_under_compile
 
-__all__ = ["RanEagerlyWarning", "enter", "leave", "watched", "ran_eagerly", "dynamo_runs", "allow_segment_graphs",
-       ]
+__all__ = ["RanEagerlyWarning", "enter", "leave", "watched", "ran_eagerly", "dynamo_runs",
+           "allow_segment_graphs"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def watched(compiled: Callable[..., Any], key: object, region: str, module: nn.M
     return run
 
 
-# (grad mode, input needs grad, threshold) of the plan segments traced with a symbolic row count, and the
+# (grad mode, input needs grad, threshold) of the plan segments traced in graphs of dynamic shapes, and the
 # recompile limit allow_segment_graphs last set for them
 _SEGMENTS: set[tuple[bool, bool, int]] = set()
 _LIMIT_SET: list[int] = []
@@ -134,11 +134,11 @@ _LIMIT_SET: list[int] = []
 def allow_segment_graphs(training: bool, input_grad: bool, thresholds: tuple[int, ...]) -> None:
     """Called at trace time by a TT layer under torch.compile: in a graph of dynamic shapes, dynamo compiles a
     graph for each segment between the thresholds where the layer's best contraction order changes that the
-    row count reaches, by design.  ``torch._dynamo.config.recompile_limit`` is raised, for the process, by the number of
-    (mode, threshold) pairs traced so far, so that these graphs leave a model compiled whole the headroom the
-    limit is for (at 8, a 12-layer Llama's padded batches then its evaluation sent the whole model to eager
-    for the rest of the run); a limit set since is raised again on top of the new value.  Said at INFO
-    (``TORCH_LOGS=comera_compile``).  A compiled block raises its own limit, around its call, instead."""
+    row count reaches, by design.  ``torch._dynamo.config.recompile_limit`` is raised, for the process, by
+    the number of (mode, threshold) pairs traced so far, so that these graphs leave a model compiled whole
+    the headroom the limit is for (at 8, a 12-layer Llama's padded batches then its evaluation sent the whole
+    model to eager for the rest of the run); a limit set since is raised again on top of the new value.  Said
+    at INFO (``TORCH_LOGS=comera_compile``).  A compiled block raises its own limit, around its call, instead."""
     region = _REGION.get()
     if (region is not None and region[3]) or not _dynamic_trace():
         return
