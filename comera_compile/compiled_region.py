@@ -97,10 +97,9 @@ def _limit_reached(key: object) -> int | None:
     """dynamo's recompile limit where the region's function (the key of compile_step's forward and loss) holds
     that many graphs: then it is why the region ran eagerly; None otherwise."""
     code = getattr(key, "__code__", None)
-    config = torch._dynamo.config
-    limit = next((getattr(config, n) for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
-    if code is None or limit is None:
+    if code is None:
         return None
+    limit = torch._dynamo.config.recompile_limit
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     try:
@@ -143,28 +142,22 @@ def allow_segment_graphs(training: bool, input_grad: bool, thresholds: tuple[int
     if (region is not None and region[3]) or not _dynamic_trace():
         return
     config = torch._dynamo.config
-    name = next((n for n in ("recompile_limit", "cache_size_limit") if hasattr(config, n)), None)
-    if name is None:
-        return
     new = {(training, input_grad, t) for t in thresholds} - _SEGMENTS
     _SEGMENTS.update(new)
-    current = getattr(config, name)
-    ours = bool(_LIMIT_SET) and _LIMIT_SET[0] == current
+    current = config.recompile_limit
+    ours = _LIMIT_SET == [current]
     if ours and not new:
         return
-    target = current + (len(new) if ours else len(_SEGMENTS))
-    setattr(config, name, target)
+    config.recompile_limit = target = current + (len(new) if ours else len(_SEGMENTS))
     _LIMIT_SET[:] = [target]
-    log.info("comera: torch._dynamo.config.%s raised from %d to %d: a changing row count compiles a graph per "
-             "contraction order of the TT layers it reaches (%d plan thresholds traced)", name, current, target,
+    log.info("comera: torch._dynamo.config.recompile_limit raised from %d to %d: a changing row count compiles a "
+             "graph per contraction order of the TT layers it reaches (%d plan thresholds traced)", current, target,
              len(_SEGMENTS))
 
 
 def _dynamic_trace() -> bool:
-    """Whether the graph dynamo is tracing has symbolic sizes (a static one serves one row count only); True
-    where this torch keeps its symbols elsewhere."""
+    """Whether the graph dynamo is tracing has symbolic sizes (a static one serves one row count only)."""
     from torch._guards import TracingContext
 
     env = getattr(getattr(TracingContext.try_get(), "fake_mode", None), "shape_env", None)
-    values = next((getattr(env, n) for n in ("backed_var_to_val", "var_to_val") if hasattr(env, n)), None)
-    return env is None or values is None or bool(values)
+    return env is None or bool(env.backed_var_to_val)
