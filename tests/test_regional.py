@@ -919,3 +919,33 @@ def test_count_flops_of_a_12_layer_llama_splits_its_tt_layers_from_the_rest():
     linears = [m for m in model.modules() if isinstance(m, TTLinear)]
     assert len(linears) >= 7 * LAYERS
     assert counted.tt_layers == sum(m.flops(rows) for m in linears) + lookups <= counted.total
+
+
+@pytest.mark.slow   # 9 whole-model traces of 12 layers, about 40 s each; test_compiled_region's small model
+def test_a_12_layer_llama_compiled_whole_keeps_compiled_through_padded_lengths_and_evaluation(fresh_dynamo):
+    """torch.compile(model) of a 12-layer Llama at its defaults, trained at lengths reaching every segment of
+    its TT layers' plans and then evaluated at them: 9 graphs, past dynamo's limit of 8, none falling back to
+    eager (the limit hit is an error here), every loss and output the eager twin's.  It used to run the whole
+    model eagerly from the ninth graph on."""
+    from comera_compile import networks
+    from comera_compile.layers import TTLinear
+
+    model = _model("llama")
+    twin = copy.deepcopy(model)
+    specs = {m.spec.token for m in model.model.layers[0].modules() if isinstance(m, TTLinear)}
+    thresholds = sorted({t for spec in specs for t in networks.tt_linear_segments(spec)[0]})
+    lengths = [16, 18] + [max(1, t // 2) for t in thresholds] + [40]   # 2 rows: every segment reached
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
+        for length in lengths:
+            x, y = (torch.randint(0, VOCAB, (2, length), generator=g) for _ in range(2))
+            torch.testing.assert_close(_loss(compiled(x), y), _loss(twin(x), y), rtol=1e-4, atol=1e-5)
+        model.eval()
+        twin.eval()
+        with torch.no_grad():
+            for length in lengths:
+                x = torch.randint(0, VOCAB, (2, length), generator=g)
+                torch.testing.assert_close(compiled(x, use_cache=False).logits, twin(x, use_cache=False).logits,
+                                           rtol=1e-4, atol=1e-5)
+    assert _graphs() > 8
