@@ -102,6 +102,22 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
+def cli_error(argv: list[str], capsys) -> str:
+    """What `comera-compile ARGV` prints on stderr when it fails, run in this process: a SystemExit with a
+    nonzero status, as the installed script exits (any other exception is what would print a traceback)."""
+    from comera_compile.cli import main
+
+    capsys.readouterr()
+    try:
+        main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    else:
+        raise AssertionError(f"comera-compile {shlex.join(argv)} did not fail")
+    assert code not in (0, None), code
+    return capsys.readouterr().err + (f"{code}\n" if isinstance(code, str) else "")
+
+
 def readme_block(section: str, lang: str = "bash", index: int = 0) -> str:
     """The index-th ```lang code block under `## section` in the README (before the next section)."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()

@@ -77,9 +77,7 @@ def test_torch_logs_prints_a_summary_per_graph_and_the_graphs_only_when_asked(tm
     assert "comera graph after dynamo:" in verbose.stderr and "comera graph after fast_dropout:" in verbose.stderr
     assert "hash_dropout" in verbose.stderr.split("comera graph after fast_dropout:")[1]
     assert "comera contractions:" in verbose.stderr
-
-    quiet = _run(tmp_path, {})
-    assert "comera" not in quiet.stderr, quiet.stderr
+    # without TORCH_LOGS nothing of comera's is printed: test_set_logs_takes_the_registered_names_after_import
 
 
 def test_set_logs_takes_the_registered_names_after_import(tmp_path):

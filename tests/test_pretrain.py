@@ -36,6 +36,25 @@ def micro(monkeypatch):
 
 
 @pytest.fixture
+def shared_compile_cache(monkeypatch):
+    """Each method's graphs traced again (dynamo reset around it) but Inductor's compiled code taken from the
+    on-disk cache the suite shares, instead of a fresh cache per method: the command's fair first-call timing
+    costs about a minute of compiling here and has tests of its own (test_demo_fixes, test_pretrain_fixes)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def traced_again():
+        torch._dynamo.reset()
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()
+
+    monkeypatch.setattr(lp, "own_compile_cache", traced_again)
+    monkeypatch.setattr(lp, "warm_up_compiler", lambda device: 0.0)
+
+
+@pytest.fixture
 def keep_threads():
     before = torch.get_num_threads()
     yield
@@ -415,7 +434,8 @@ def test_reach_time_interpolates_between_evaluations():
 
 
 # -- end to end --------------------------------------------------------------------------------------------
-def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_threads, monkeypatch, capsys):
+def test_pretrain_end_to_end_writes_table_plot_and_json(tmp_path, micro, keep_threads, shared_compile_cache,
+                                                        monkeypatch, capsys):
     """dense, CoMERA and GaLore at the micro size, a few steps each: the files and every figure in them.  The
     run is stopped in GaLore first: the finished methods' runs are kept, and --resume trains GaLore alone
     (evaluated at dense's kept token count).  A saved run trained with other options is refused, naming them."""

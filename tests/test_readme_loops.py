@@ -182,7 +182,11 @@ def test_the_readme_distributed_loops_train_as_one_process_on_the_whole_batch(ki
     os.close(handle)
     os.remove(rendezvous)
     out = str(tmp_path / kind)
-    mp.spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2, join=True)
+    try:
+        mp.spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2, join=True)
+    finally:
+        if os.path.exists(rendezvous):  # the store leaves its file behind
+            os.remove(rendezvous)
     results = [torch.load(f"{out}.{rank}") for rank in range(2)]
     one = _one_process(kind, monkeypatch)
     for r in results:
