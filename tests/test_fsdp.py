@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from helpers import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed gloo")
@@ -121,7 +122,7 @@ def _spawn(fn, world: int, *args) -> None:
     else:
         path = _rendezvous()
         try:
-            mp.spawn(_run, args=(world, fn, path, *args), nprocs=world, join=True)
+            spawn(_run, args=(world, fn, path, *args), nprocs=world)
         finally:
             if os.path.exists(path):
                 os.remove(path)
@@ -285,25 +286,25 @@ def _adaptive_step(model: nn.Module, opt, ra, x: torch.Tensor, y: torch.Tensor, 
     return float(loss), reallocated
 
 
-RA_STEPS = 230
+RA_STEPS, RA_EVERY = 105, 35
 
 
 def _adapt(rank: int, world: int, out: str) -> None:
-    """RankAdaptive at its defaults (a check every 100 steps) with CoMERA's AdamW groups at lr 1e-4 (at 1e-3
-    Adam amplifies the two runs' float32 summation-order differences tenfold every ~10 steps, cuts or not,
-    and the one-process comparison would measure that); before each check
-    the leading half of every bond's gates is zeroed (as the proximal step would, by hand so that the run
-    is short), so the checks at steps 100 and 200 switch them off and re-allocate."""
+    """RankAdaptive at its defaults but a check every RA_EVERY steps (not 100: a shorter run) with CoMERA's
+    AdamW groups at lr 1e-4 (at 1e-3 Adam amplifies the two runs' float32 summation-order differences
+    tenfold every ~10 steps, cuts or not, and the one-process comparison would measure that); before each
+    check the leading half of every bond's gates is zeroed (as the proximal step would, by hand so that the
+    run is short), so the checks at steps 35 and 70 switch them off and re-allocate."""
     import comera_compile as cc
 
     model = _encoder()
     if world > 1:
         _shard(model, compiled=False)
     opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-4))
-    ra = cc.RankAdaptive(model, optimizer=opt)
+    ra = cc.RankAdaptive(model, optimizer=opt, cut_every=RA_EVERY)
     result: dict = {"losses": [], "cuts": [], "snapshots": []}
     for step, x, y in _batches(RA_STEPS):
-        loss, reallocated = _adaptive_step(model, opt, ra, x, y, rank, world, zero=step in (99, 199))
+        loss, reallocated = _adaptive_step(model, opt, ra, x, y, rank, world, zero=step + 1 in (RA_EVERY, 2 * RA_EVERY))
         result["losses"].append(loss)
         if reallocated:
             result["cuts"].append(step + 1)
@@ -319,7 +320,7 @@ def test_rank_adaptive_under_fsdp2_cuts_alike_everywhere_and_matches_one_process
     to the bit, every TT layer smaller; the loss of every step matches the one-process run's."""
     _spawn(_adapt, 2, str(tmp_path / "fsdp"))
     a, b = (torch.load(tmp_path / f"fsdp.{r}") for r in range(2))
-    assert a["cuts"] == b["cuts"] == [100, 200]
+    assert a["cuts"] == b["cuts"] == [RA_EVERY, 2 * RA_EVERY]
     for full_a, full_b in zip(a["full"], b["full"]):
         assert max((p - q).abs().max().item() for p, q in zip(full_a, full_b)) == 0.0
     _spawn(_adapt, 1, str(tmp_path / "one"))
