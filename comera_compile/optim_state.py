@@ -206,7 +206,9 @@ def index_select(cuts: dict[int, list[tuple[int, torch.Tensor]]]) -> Transform:
 
 # Parameters marked for the process-wide step pre-hook below (by id, with a weak reference: tensors do not
 # compare by identity), with what the mark says: None for a parameter a cut replaced (retire), the shape
-# before for one a load reshaped in place (reshaped).
+# before for one a load reshaped in place (reshaped).  A dead one's mark is dropped by eager code only (a new
+# mark, an eager step), never by the garbage collector: torch.compile traces the hook and guards on the marks
+# it read, and one dropped while a compile was under way failed the compile (KeyError building its guards).
 _MARKS: dict[int, tuple["weakref.ref[torch.Tensor]", tuple[int, ...] | None]] = {}
 _CHECKING: list[Any] = []   # the hook's handle, once registered
 
@@ -217,6 +219,8 @@ def _check_marked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
     check); a reshaped one whose state fits is unmarked."""
     if not _MARKS:
         return
+    if not torch.compiler.is_compiling():
+        _drop_dead_marks()
     for group in optimizer.param_groups:
         for p in group["params"]:
             mark = _MARKS.get(id(p))
@@ -241,11 +245,16 @@ def _check_marked(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
             _MARKS.pop(id(p), None)   # its state fits: checked once
 
 
+def _drop_dead_marks() -> None:
+    for key in [key for key, (ref, _) in _MARKS.items() if ref() is None]:
+        del _MARKS[key]
+
+
 def _mark(p: torch.Tensor, old: tuple[int, ...] | None) -> None:
     if not _CHECKING:
         _CHECKING.append(register_optimizer_step_pre_hook(_check_marked))
-    key = id(p)
-    _MARKS[key] = (weakref.ref(p, lambda _, key=key: _MARKS.pop(key, None)), old)
+    _drop_dead_marks()
+    _MARKS[id(p)] = (weakref.ref(p), old)
 
 
 def retire(params: list[torch.Tensor]) -> None:

@@ -612,6 +612,41 @@ def test_an_explicit_cut_without_the_optimizer_warns_and_every_attached_optimize
         gates.step()  # never handed to the package: the check covers it all the same
 
 
+def test_a_compiled_optimizer_step_checks_for_cores_a_cut_replaced_as_an_eager_one_does():
+    """torch.compile(opt.step) traces the step pre-hook's check: an optimizer built before a cut raises naming
+    ra.attach, compiled as eager; one built after steps compiled as eager does, with the replaced cores
+    collected while it compiles.  (A dead core's mark used to go with the garbage collector, at any time: once
+    in a full suite run, during a compile whose guards read it, which failed with dynamo's internal KeyError.)"""
+    import gc
+
+    torch.manual_seed(0)
+    model = _net(8, 8)
+    ra = RankAdaptive(model, cut_every=1, realloc_at=None)
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    _switch_off(model, 0.5)
+    ra.step()
+    with pytest.warns(UserWarning, match="built before the cut"):
+        assert ra.cut() > 0
+    model(torch.randn(4, 64)).square().mean().backward()
+    with pytest.raises(RuntimeError, match="ra.attach"):
+        torch.compile(stale.step, backend="eager")()
+    del stale
+
+    def collecting(gm, example_inputs):
+        gc.collect()   # the replaced cores go now, in the middle of the compile
+        return gm.forward
+
+    fresh = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, fresh))
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        q.grad = p.grad.clone()
+    torch._dynamo.reset()
+    torch.compile(opt.step, backend=collecting)()
+    twin_opt.step()
+    for p, q in zip(model.parameters(), fresh.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_lbfgs_goes_on_through_a_cut_as_one_built_on_the_cut_model():
     """torch's LBFGS keeps the list of its group's parameters and one history over all of them, flattened: after
     a cut it trains the new cores (it used to step the replaced ones in silence), its history restarted, as an
