@@ -102,25 +102,6 @@ class LargestAllocation(TorchDispatchMode):
         return out
 
 
-# What every spawned test process imports; the fork server imports it once (a process of its own costs about
-# 6 s of 2 cores importing these, about 30 processes a run).
-_SPAWN_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "comera_compile", "transformers",
-                  "transformers.models.llama.modeling_llama"]
-
-
-def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2) -> None:
-    """torch.multiprocessing.spawn(fn, args, nprocs, join=True), its processes forked from a server that has
-    imported _SPAWN_PRELOAD and nothing else: the same fresh processes as spawn's (nothing compiled, no
-    process group; this process's sys.path and folder; the server's environment, so pass settings as
-    arguments), without each importing torch and transformers again."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
-    multiprocessing.set_forkserver_preload(_SPAWN_PRELOAD)   # read when the server starts, at the first call
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-
-
 def cli_error(argv: list[str], capsys) -> str:
     """What `comera-compile ARGV` prints on stderr when it fails, run in this process: a SystemExit with a
     nonzero status, as the installed script exits (any other exception is what would print a traceback)."""

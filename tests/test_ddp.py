@@ -11,9 +11,8 @@ from typing import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
-
-from helpers import spawn
 
 STEPS = 5
 TIMEOUT = datetime.timedelta(seconds=120)  # a stuck rendezvous or collective fails the test instead of hanging it
@@ -73,7 +72,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_two_processes_match_single_process(tmp_path):
     out = str(tmp_path / "params")
-    spawn(_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     for a, b in zip(*ranks):
         assert torch.equal(a, b)
@@ -143,7 +142,7 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
                          ids=["eager-rebuilt-on-return", "compiled-rebuilt-in-callback"])
 def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled, rebuild):
     out = str(tmp_path / "ra")
-    spawn(_ra_worker, args=(2, _free_port(), out, compiled, rebuild), nprocs=2)
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, compiled, rebuild), nprocs=2, join=True)
     a, b = (torch.load(f"{out}.{r}") for r in range(2))
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert len(a["snapshots"]) == len(b["snapshots"]) >= 1
@@ -155,7 +154,7 @@ def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled, rebuild):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
     out = str(tmp_path / "stale")
-    spawn(_ra_worker, args=(2, _free_port(), out, False, None), nprocs=2)
+    mp.spawn(_ra_worker, args=(2, _free_port(), out, False, None), nprocs=2, join=True)
     for r in range(2):
         error = torch.load(f"{out}.{r}")["error"]
         assert error is not None and "rebuild the wrapper" in error, error
@@ -223,7 +222,7 @@ def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_pro
     whole batch at once, and the gradients are all-reduced once a step (in the last micro-batch's backward: the
     model's one bucket, STEPS times)."""
     out = str(tmp_path / "stack")
-    spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     assert [r["reduces"] for r in results] == [[0] * STEPS] * 2
     a, b = (r["params"] for r in results)
@@ -257,7 +256,7 @@ def test_a_float16_step_overflowing_on_one_process_is_skipped_by_every_ddp_repli
     """DDP averages the gradients before the scaler's overflow check, so an overflow on one process is every
     process's: both skip that step and no replica diverges; the steps around it train, alike everywhere."""
     out = str(tmp_path / "fp16")
-    spawn(_float16_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_float16_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     a, b = (torch.load(f"{out}.{r}") for r in range(2))
     assert [skipped for _, skipped in a] == [skipped for _, skipped in b] == [False, True, False]
     for (pa, _), (pb, _) in zip(a, b):
@@ -335,7 +334,7 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
     float64 too (against the model's own float32 loss a parameter once differed by 1.3e-9, past the bound)."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "tokens")
-    spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2)
+    mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -397,7 +396,7 @@ def test_a_process_or_micro_batch_without_tokens_trains_a_written_out_token_mean
     replicas end at one process's eager SGD steps on the whole batch (float64).  It used to send the part's
     NaN into every replica."""
     out = str(tmp_path / "tokenless")
-    spawn(_tokenless_worker, args=(2, _free_port(), out, micro_batches, empty), nprocs=2)
+    mp.spawn(_tokenless_worker, args=(2, _free_port(), out, micro_batches, empty), nprocs=2, join=True)
     model = _model().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in zip(*_tokenless_batches(empty)):
@@ -447,7 +446,7 @@ def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_p
     one process's eager steps on the whole batch."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "deep")
-    spawn(_deep_tokenless_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_deep_tokenless_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     model = _ShiftedLogits(_deep_llama())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for batch in _padded_llama_batches()[:2]:
@@ -501,7 +500,7 @@ def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process
     (unpadded) batch, end where one eager process ends on the whole batch.  float32 through Inductor."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "siblings")
-    spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     for r in results:
         # the graph cut into pieces, and the siblings (and alike layers) of a piece still share
@@ -590,7 +589,7 @@ def test_the_late_stage_decides_on_the_processes_mean_loss_and_resumes_to_the_bi
 
 def _two_processes(worker, out: str, *args) -> list[dict]:
     """Run worker(rank, 2, port, out, *args) in two gloo processes; each process's saved result."""
-    spawn(worker, args=(2, _free_port(), out, *args), nprocs=2)
+    mp.spawn(worker, args=(2, _free_port(), out, *args), nprocs=2, join=True)
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 

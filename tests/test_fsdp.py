@@ -14,9 +14,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
-
-from helpers import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed gloo")
@@ -122,7 +121,7 @@ def _spawn(fn, world: int, *args) -> None:
     else:
         path = _rendezvous()
         try:
-            spawn(_run, args=(world, fn, path, *args), nprocs=world)
+            mp.spawn(_run, args=(world, fn, path, *args), nprocs=world, join=True)
         finally:
             if os.path.exists(path):
                 os.remove(path)

@@ -13,10 +13,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import readme_marked_block, spawn
+from helpers import readme_marked_block
 
 STEPS = 3
 
@@ -182,7 +183,7 @@ def test_the_readme_distributed_loops_train_as_one_process_on_the_whole_batch(ki
     os.remove(rendezvous)
     out = str(tmp_path / kind)
     try:
-        spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2)
+        mp.spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2, join=True)
     finally:
         if os.path.exists(rendezvous):  # the store leaves its file behind
             os.remove(rendezvous)

@@ -14,13 +14,14 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
 import comera_compile as cc
 from comera_compile.regional import eager_blocks
-from helpers import readme_marked_block, second_compile_from_aot_cache, spawn
+from helpers import readme_marked_block, second_compile_from_aot_cache
 
 transformers = pytest.importorskip("transformers")
 
@@ -577,7 +578,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_under_ddp_each_process_compiles_one_graph_for_twelve_layers(tmp_path):
     out = str(tmp_path / "ddp")
-    spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2)
+    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         assert result["graphs"] == 1 and result["eager"] == {}
