@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shlex
 import sys
+import tempfile
 import textwrap
+import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -100,6 +104,59 @@ class LargestAllocation(TorchDispatchMode):
                 if nbytes > self.largest:
                     self.largest, self.what = nbytes, f"{func} -> {tuple(t.shape)}"
         return out
+
+
+# What every spawned test process imports; the fork server imports it once per pytest worker (a process of
+# its own pays about 6 s of 2 cores importing these, and about 30 tests start two).
+_SPAWN_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "comera_compile", "transformers",
+                  "transformers.models.llama.modeling_llama"]
+SPAWN_DEADLINE = 900.0   # seconds; a test's processes still running then are killed and the test fails
+
+
+def _exit_after(rank: int, fn: Callable[..., Any], errors: str, *args: Any) -> None:
+    """Run fn(rank, *args) in a spawned process and leave it with os._exit, its traceback (if any) in
+    errors.RANK: the interpreter's teardown is skipped, where gloo's threads can deadlock the process group's
+    destructor (a worker once hung there for ten minutes, another aborted)."""
+    code = 0
+    try:
+        fn(rank, *args)
+    except BaseException:
+        Path(f"{errors}.{rank}").write_text(traceback.format_exc())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2, deadline: float = SPAWN_DEADLINE) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs, join=True), its processes forked from a server that has
+    imported _SPAWN_PRELOAD and nothing else: fresh processes as spawn's are (nothing compiled, no process
+    group; this process's sys.path and folder, but the server's environment, so pass settings as arguments),
+    without each importing torch and transformers again.  A process that raises fails the test with its
+    traceback; processes still running after `deadline` seconds are killed and the test fails."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(_SPAWN_PRELOAD)   # read when the server starts, at the first call
+    with tempfile.TemporaryDirectory(prefix="comera-spawn-") as tmp:
+        errors = os.path.join(tmp, "error")
+        context = mp.start_processes(_exit_after, args=(fn, errors, *args), nprocs=nprocs, join=False,
+                                     start_method="forkserver")
+        end = time.monotonic() + deadline
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > end:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"{fn.__name__}'s {nprocs} processes still ran after {deadline:.0f} s; "
+                                       "killed")
+        except mp.ProcessExitedException as failed:
+            found = sorted(Path(tmp).glob("error.*"))
+            if not found:
+                raise
+            raise AssertionError("a spawned process failed:\n" + "\n".join(
+                f"-- process {p.suffix[1:]} --\n{p.read_text()}" for p in found)) from failed
 
 
 def cli_error(argv: list[str], capsys) -> str:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import datetime
 import socket
+import time
 from typing import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from helpers import spawn
 
 STEPS = 5
 TIMEOUT = datetime.timedelta(seconds=120)  # a stuck rendezvous or collective fails the test instead of hanging it
@@ -72,7 +74,7 @@ def _free_port() -> int:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_two_processes_match_single_process(tmp_path):
     out = str(tmp_path / "params")
-    mp.spawn(_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_worker, args=(2, _free_port(), out), nprocs=2)
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     for a, b in zip(*ranks):
         assert torch.equal(a, b)
@@ -81,6 +83,26 @@ def test_ddp_two_processes_match_single_process(tmp_path):
     single = _train(_model(), xs, ys)
     for a, b in zip(ranks[0], single):
         assert (a - b).norm() <= 1e-5 * b.norm() + 1e-7
+
+
+def _fails_on_rank_one(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank one's own error")
+
+
+def _sleeps(rank: int) -> None:
+    time.sleep(60)
+
+
+def test_a_spawned_process_s_error_or_hang_fails_the_test_with_its_cause():
+    """The tests' processes leave without the interpreter's teardown (os._exit), so their errors travel in a
+    file: a raise in one process is the test's failure, with that process's traceback; a hang is killed."""
+    with pytest.raises(AssertionError, match=r"(?s)process 1.*ValueError: rank one's own error"):
+        spawn(_fails_on_rank_one, nprocs=2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="_sleeps's 2 processes still ran after 1 s"):
+        spawn(_sleeps, nprocs=2, deadline=1.0)
+    assert time.monotonic() - start < 30
 
 
 CUT_STEPS = 15
@@ -142,7 +164,7 @@ def _ra_worker(rank: int, world: int, port: int, out: str, compiled: bool, rebui
                          ids=["eager-rebuilt-on-return", "compiled-rebuilt-in-callback"])
 def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled, rebuild):
     out = str(tmp_path / "ra")
-    mp.spawn(_ra_worker, args=(2, _free_port(), out, compiled, rebuild), nprocs=2, join=True)
+    spawn(_ra_worker, args=(2, _free_port(), out, compiled, rebuild), nprocs=2)
     a, b = (torch.load(f"{out}.{r}") for r in range(2))
     assert a["error"] is None and b["error"] is None, (a["error"], b["error"])
     assert len(a["snapshots"]) == len(b["snapshots"]) >= 1
@@ -154,7 +176,7 @@ def test_ddp_rank_cuts_keep_replicas_identical(tmp_path, compiled, rebuild):
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
     out = str(tmp_path / "stale")
-    mp.spawn(_ra_worker, args=(2, _free_port(), out, False, None), nprocs=2, join=True)
+    spawn(_ra_worker, args=(2, _free_port(), out, False, None), nprocs=2)
     for r in range(2):
         error = torch.load(f"{out}.{r}")["error"]
         assert error is not None and "rebuild the wrapper" in error, error
@@ -222,7 +244,7 @@ def test_compile_step_of_a_ddp_model_compiles_its_layers_and_trains_like_one_pro
     whole batch at once, and the gradients are all-reduced once a step (in the last micro-batch's backward: the
     model's one bucket, STEPS times)."""
     out = str(tmp_path / "stack")
-    mp.spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_stack_worker, args=(2, _free_port(), out), nprocs=2)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     assert [r["reduces"] for r in results] == [[0] * STEPS] * 2
     a, b = (r["params"] for r in results)
@@ -256,7 +278,7 @@ def test_a_float16_step_overflowing_on_one_process_is_skipped_by_every_ddp_repli
     """DDP averages the gradients before the scaler's overflow check, so an overflow on one process is every
     process's: both skip that step and no replica diverges; the steps around it train, alike everywhere."""
     out = str(tmp_path / "fp16")
-    mp.spawn(_float16_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_float16_worker, args=(2, _free_port(), out), nprocs=2)
     a, b = (torch.load(f"{out}.{r}") for r in range(2))
     assert [skipped for _, skipped in a] == [skipped for _, skipped in b] == [False, True, False]
     for (pa, _), (pb, _) in zip(a, b):
@@ -334,7 +356,7 @@ def test_compile_step_of_a_ddp_transformers_model_trains_on_the_global_batch_s_t
     float64 too (against the model's own float32 loss a parameter once differed by 1.3e-9, past the bound)."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "tokens")
-    mp.spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2, join=True)
+    spawn(_token_mean_worker, args=(2, _free_port(), out, micro_batches, loss), nprocs=2)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     model = _llama()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -396,7 +418,7 @@ def test_a_process_or_micro_batch_without_tokens_trains_a_written_out_token_mean
     replicas end at one process's eager SGD steps on the whole batch (float64).  It used to send the part's
     NaN into every replica."""
     out = str(tmp_path / "tokenless")
-    mp.spawn(_tokenless_worker, args=(2, _free_port(), out, micro_batches, empty), nprocs=2, join=True)
+    spawn(_tokenless_worker, args=(2, _free_port(), out, micro_batches, empty), nprocs=2)
     model = _model().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for x, y in zip(*_tokenless_batches(empty)):
@@ -446,7 +468,7 @@ def test_a_12_layer_decoder_s_process_without_tokens_trains_as_one_process(tmp_p
     one process's eager steps on the whole batch."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "deep")
-    mp.spawn(_deep_tokenless_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_deep_tokenless_worker, args=(2, _free_port(), out), nprocs=2)
     model = _ShiftedLogits(_deep_llama())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for batch in _padded_llama_batches()[:2]:
@@ -500,7 +522,7 @@ def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process
     (unpadded) batch, end where one eager process ends on the whole batch.  float32 through Inductor."""
     pytest.importorskip("transformers")
     out = str(tmp_path / "siblings")
-    mp.spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_siblings_worker, args=(2, _free_port(), out), nprocs=2)
     results = [torch.load(f"{out}.{r}") for r in range(2)]
     for r in results:
         # the graph cut into pieces, and the siblings (and alike layers) of a piece still share
@@ -589,7 +611,7 @@ def test_the_late_stage_decides_on_the_processes_mean_loss_and_resumes_to_the_bi
 
 def _two_processes(worker, out: str, *args) -> list[dict]:
     """Run worker(rank, 2, port, out, *args) in two gloo processes; each process's saved result."""
-    mp.spawn(worker, args=(2, _free_port(), out, *args), nprocs=2, join=True)
+    spawn(worker, args=(2, _free_port(), out, *args), nprocs=2)
     return [torch.load(f"{out}.{r}") for r in range(2)]
 
 

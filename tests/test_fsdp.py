@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
 import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from helpers import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed gloo")
@@ -106,13 +106,6 @@ def _run(rank: int, world: int, fn, *args) -> None:
     finally:
         if world > 1:
             dist.destroy_process_group()
-    if world > 1:
-        # A spawned worker whose work passed leaves without the interpreter's teardown: once in a full-suite
-        # run, gloo's worker threads still held tensors at that point and the process aborted on exit
-        # ("terminate called without an active exception", SIGABRT) after every check had passed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def _spawn(fn, world: int, *args) -> None:
@@ -121,7 +114,7 @@ def _spawn(fn, world: int, *args) -> None:
     else:
         path = _rendezvous()
         try:
-            mp.spawn(_run, args=(world, fn, path, *args), nprocs=world, join=True)
+            spawn(_run, args=(world, fn, path, *args), nprocs=world)
         finally:
             if os.path.exists(path):
                 os.remove(path)

@@ -6,18 +6,16 @@ over the whole batch).  The Trainer's lines run in tests/test_regional.py."""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import readme_marked_block
+from helpers import readme_marked_block, spawn
 
 STEPS = 3
 
@@ -156,9 +154,6 @@ def _worker(rank: int, world: int, rendezvous: str, out: str, kind: str) -> None
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)   # gloo's threads may still hold tensors at interpreter teardown (tests/test_fsdp.py)
 
 
 def _one_process(kind: str, monkeypatch) -> dict:
@@ -183,7 +178,7 @@ def test_the_readme_distributed_loops_train_as_one_process_on_the_whole_batch(ki
     os.remove(rendezvous)
     out = str(tmp_path / kind)
     try:
-        mp.spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2, join=True)
+        spawn(_worker, args=(2, rendezvous, out, kind), nprocs=2)
     finally:
         if os.path.exists(rendezvous):  # the store leaves its file behind
             os.remove(rendezvous)

@@ -14,14 +14,13 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
 import comera_compile as cc
 from comera_compile.regional import eager_blocks
-from helpers import readme_marked_block, second_compile_from_aot_cache
+from helpers import readme_marked_block, second_compile_from_aot_cache, spawn
 
 transformers = pytest.importorskip("transformers")
 
@@ -578,7 +577,7 @@ def _ddp_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
 def test_under_ddp_each_process_compiles_one_graph_for_twelve_layers(tmp_path):
     out = str(tmp_path / "ddp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    spawn(_ddp_worker, args=(2, _free_port(), out), nprocs=2)
     for rank in range(2):
         result = torch.load(f"{out}.{rank}")
         assert result["graphs"] == 1 and result["eager"] == {}
