@@ -185,7 +185,9 @@ def test_a_new_run_of_a_12_layer_decoder_finds_its_graph_in_aotautograd_s_cache(
 
 
 # More decoder families, at 12 layers and small widths: (config class, its fields, graphs for the kinds of
-# block it has).  Gemma 3 and Cohere 2 alternate sliding-window and full attention layers: two kinds.
+# block it has).  Gemma 3 and Cohere 2 alternate sliding-window and full attention layers, and every fourth
+# SmolLM3 layer has no rotary embedding: two kinds.  Gemma 2 alternates them too, but its layers differ only in
+# the attention mask they are handed: one kind.
 _SMALL = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS,
               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, pad_token_id=0)
 _MORE = {
@@ -203,6 +205,17 @@ _MORE = {
     "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                                        num_hidden_layers=LAYERS, num_attention_heads=4,
                                        max_position_embeddings=64), 1),
+    "gemma": ("GemmaConfig", dict(_SMALL, head_dim=32), 1),
+    "gemma2": ("Gemma2Config", dict(_SMALL, head_dim=32, sliding_window=16), 1),
+    "granite": ("GraniteConfig", _SMALL, 1),
+    "stablelm": ("StableLmConfig", _SMALL, 1),
+    "starcoder2": ("Starcoder2Config", _SMALL, 1),
+    "phi": ("PhiConfig", _SMALL, 1),
+    "cohere": ("CohereConfig", _SMALL, 1),
+    "olmo": ("OlmoConfig", _SMALL, 1),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_SMALL, head_dim=32), 1),
+    "smollm3": ("SmolLM3Config", _SMALL, 2),
+    "glm": ("GlmConfig", dict(_SMALL, head_dim=32), 1),
 }
 
 
@@ -227,9 +240,10 @@ _FAMILIES = [pytest.param(f, marks=pytest.mark.xfail(
 @pytest.mark.slow
 @pytest.mark.parametrize("family", _FAMILIES)
 def test_more_decoder_families_compile_one_graph_per_kind_of_block(family, fresh_dynamo):
-    """cc.compile_step at its defaults on nine more decoder families at 12 layers, tensorized at rank 8 as
+    """cc.compile_step at its defaults on twenty more decoder families at 12 layers, tensorized at rank 8 as
     the other 12-layer tests are: one graph per kind of block (two where sliding-window and full attention
-    layers alternate), no block eager, and two steps that compute what the eager model computes."""
+    layers alternate, or SmolLM3's layers with and without rotary embeddings), no block eager, and two steps
+    that compute what the eager model computes."""
     name, fields, kinds = _MORE[family]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**fields))
