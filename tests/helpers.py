@@ -149,6 +149,7 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2, deadline: f
                 if time.monotonic() > end:
                     for process in context.processes:
                         process.kill()
+                        process.join()
                     raise TimeoutError(f"{fn.__name__}'s {nprocs} processes still ran after {deadline:.0f} s; "
                                        "killed")
         except mp.ProcessExitedException as failed:
