@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import compiled_region, networks, optim_state
+from .networks import codegen
 from .ops.buffers import exporting
 from .tt import TTSpec, cores_to_dense, gemm_core_padding, gemm_spec, make_spec, random_cores, svd_cores
 
@@ -339,33 +340,30 @@ class TTLinear(TTLayer):
         if spec.in_padded != self.in_features:
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
         x2 = x2.reshape(rows, *spec.in_modes)
-        training = torch.is_grad_enabled() and (x.requires_grad or self.cores[0].requires_grad)
-        if exporting():
-            # An exported program serves every row count: one plan (any plan computes the same product), no
-            # guard on the row count; taken from the constant the compiled path reads (strict export traces
-            # with dynamo, which cannot enter the planner's caches).
-            thresholds, programs = networks.tt_linear_segments(spec.token, training, x.requires_grad)
-            program = programs[sum(EXPORT_ROWS >= t for t in thresholds)]
-        elif torch.compiler.is_compiling():
-            # The plans of all row counts are one constant; comparing the (maybe symbolic) row count with
-            # their thresholds picks one, so dynamic batch sizes need no recompile per size.
-            thresholds, programs = networks.tt_linear_segments(spec.token, training, x.requires_grad)
-            # (the graphs of the segments a changing row count reaches: not counted against dynamo's limit)
-            compiled_region.allow_segment_graphs(training, x.requires_grad, thresholds)
-            segment = 0
-            for t in thresholds:
-                if rows >= t:
-                    segment += 1
-            program = programs[segment]
+        cores, gates = self.cores._parameters.values(), self.gates._parameters.values()
+        params = (*cores, *gates)
+        training = torch.is_grad_enabled() and (x.requires_grad or params[0].requires_grad)
+        has_bias = self.bias is not None
+        if exporting() or torch.compiler.is_compiling():
+            # The plans of all row counts are one constant (their runners' names): comparing the (maybe
+            # symbolic) row count with their thresholds picks one, so dynamic batch sizes need no recompile per
+            # size.  An exported program serves every row count: one plan (any plan computes the same
+            # product), no guard on the row count (strict export traces with dynamo, which cannot enter the
+            # planner's caches).
+            thresholds, names = codegen.tt_linear_runner_names(spec.token, training, x.requires_grad, has_bias)
+            if exporting():
+                segment = sum(EXPORT_ROWS >= t for t in thresholds)
+            else:
+                # (the graphs of the segments a changing row count reaches: not counted against dynamo's limit)
+                compiled_region.allow_segment_graphs(training, x.requires_grad, thresholds)
+                segment = 0
+                for t in thresholds:
+                    if rows >= t:
+                        segment += 1
+            run = getattr(codegen.RUNNERS, names[segment])
         else:
-            program = networks.tt_linear_program(spec, rows, training, x.requires_grad)
-        fused = self.bias is not None and networks.fuses_bias(program[-1].recipe, self.out_features)
-        y = networks.run_program(program, [x2, *self._operands()], rows, self.bias if fused else None)
-        y = y.reshape(rows, spec.out_padded)
-        if spec.out_padded != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None and not fused:
-            y = y + self.bias.to(y.dtype)  # under autocast y is in the autocast dtype, as nn.Linear's output
+            run = codegen.eager_tt_linear_runner(spec, rows, training, x.requires_grad, has_bias)
+        y = run(x2, *params, self.bias, rows)
         return y.reshape(*lead, self.out_features)
 
     def to_dense(self) -> torch.Tensor:
