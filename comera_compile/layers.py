@@ -339,9 +339,13 @@ class TTLinear(TTLayer):
         x2 = x.reshape(rows, self.in_features)
         if spec.in_padded != self.in_features:
             x2 = F.pad(x2, (0, spec.in_padded - self.in_features))
-        x2 = x2.reshape(rows, *spec.in_modes)
-        cores, gates = self.cores._parameters.values(), self.gates._parameters.values()
-        params = (*cores, *gates)
+        # read from the lists' own dicts: dynamo traces that in a few steps, ParameterList's indexing in dozens
+        params = (*self.cores._parameters.values(), *self.gates._parameters.values())
+        if len(params) != 2 * spec.num_cores - 1:
+            raise RuntimeError(f"{type(self).__name__} {self.comera_name or ''}: its cores and gates must be the "
+                               f"Parameters of its ParameterLists ({len(params)} found, {2 * spec.num_cores - 1} "
+                               f"expected); a parametrization of a core (torch.nn.utils.parametrize) is not "
+                               f"supported: parametrize the TT layer's input or output instead")
         training = torch.is_grad_enabled() and (x.requires_grad or params[0].requires_grad)
         has_bias = self.bias is not None
         if exporting() or torch.compiler.is_compiling():

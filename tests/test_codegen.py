@@ -1,9 +1,10 @@
 """The generated TT linear runners (comera_compile.networks.codegen): every program of every row-count segment
-computes the dense product and its gradients, writes the ops run_program writes, and a runner generated
+computes the dense product and its gradients, runs run_program's GEMMs with fewer reshapes, and a runner generated
 after a layer was compiled recompiles nothing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo.testing
 from hypothesis import HealthCheck, given, settings
@@ -37,7 +38,7 @@ def test_every_segment_s_runner_computes_the_dense_product_and_its_gradients(lay
     spec = layer.spec
     params = [*layer.cores, *layer.gates]
     x = torch.randn(rows, layer.in_features, dtype=torch.float64, requires_grad=True)
-    x_modes = torch.nn.functional.pad(x, (0, spec.in_padded - layer.in_features)).reshape(rows, *spec.in_modes)
+    x_padded = torch.nn.functional.pad(x, (0, spec.in_padded - layer.in_features))
     gy = torch.randn(rows, layer.out_features, dtype=torch.float64)
 
     ref = x @ cores_to_dense(list(layer.cores), list(layer.gates), spec)
@@ -48,27 +49,33 @@ def test_every_segment_s_runner_computes_the_dense_product_and_its_gradients(lay
     _, programs = networks.tt_linear_segments(spec.token, training, input_grad)
     for program in programs:
         run = codegen.tt_linear_runner(spec, program, layer.bias is not None)
-        y = run(x_modes, *params, layer.bias, rows)
+        y = run(x_padded, *params, layer.bias, rows)
         torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
         grads = torch.autograd.grad((y * gy).sum(), [x, *params])
         for g, g_ref in zip(grads, ref_grads):
             torch.testing.assert_close(g, g_ref, rtol=1e-9, atol=1e-10)
 
 
-def _ops(fn, *args) -> list:
+def _graph(fn, *args) -> tuple[list, int]:
+    """The GEMMs of fn's aten graph with their operand shapes, in order, and the count of its views."""
     graph = torch.fx.experimental.proxy_tensor.make_fx(fn)(*args).graph
-    return [(n.target, tuple(a for a in n.args if not isinstance(a, torch.fx.Node))) for n in graph.nodes
-            if n.op == "call_function"]
+    aten = torch.ops.aten
+    gemms = [(n.target, [tuple(a.meta["val"].shape) for a in n.args if isinstance(a, torch.fx.Node)])
+             for n in graph.nodes if n.target in (aten.mm.default, aten.bmm.default, aten.addmm.default)]
+    views = sum(n.target in (aten.view.default, aten._unsafe_view.default, aten.clone.default) for n in graph.nodes)
+    return gemms, views
 
 
-def test_a_runner_writes_the_ops_run_program_writes():
-    """The generated body is run_program unrolled: the same aten ops with the same sizes, in order (gates
-    folded and the padding of rank 30 to 32 included), so the backend's passes see the graphs they saw."""
+@pytest.mark.parametrize("rank", [8, 30])
+def test_a_runner_runs_run_program_s_gemms_with_fewer_reshapes(rank):
+    """The generated body is run_program unrolled: the same GEMMs on operands of the same shapes, in order
+    (gates folded and the padding of rank 30 to 32 included), with the reshapes that only restate a
+    layout left out."""
     torch.manual_seed(0)
-    layer = cc.TTLinear(96, 80, rank=30)
+    layer = cc.TTLinear(96, 80, rank=rank)
     spec, rows = layer.spec, 24
-    x = torch.randn(rows, *spec.in_modes)
-    assert gemm_spec(spec) != spec   # the rank padding is exercised
+    x = torch.randn(rows, spec.in_padded)
+    assert (gemm_spec(spec) != spec) == (rank == 30)   # the rank padding is exercised
     for program in networks.tt_linear_segments(spec.token, True, True)[1]:
         def interpreted(x, *params):
             cores = [c * g for c, g in zip(params, params[spec.num_cores:])] + [params[spec.num_cores - 1]]
@@ -78,14 +85,18 @@ def test_a_runner_writes_the_ops_run_program_writes():
             cores[0] = cores[0].reshape(cores[0].shape[1:])
             cores[-1] = cores[-1].reshape(cores[-1].shape[:-1])
             fused = networks.fuses_bias(program[-1].recipe, spec.out_features)
-            y = networks.run_program(program, [x, *cores], rows, layer.bias if fused else None)
+            ops = [x.reshape(rows, *spec.in_modes), *cores]
+            y = networks.run_program(program, ops, rows, layer.bias if fused else None)
             y = y.reshape(rows, spec.out_padded)[:, :spec.out_features] if spec.out_padded != spec.out_features \
                 else y.reshape(rows, spec.out_padded)
             return y if fused else y + layer.bias
 
         run = codegen.tt_linear_runner(spec, program, True)
         params = [*layer.cores, *layer.gates]
-        assert _ops(lambda x, *p: run(x, *p, layer.bias, rows), x, *params) == _ops(interpreted, x, *params)
+        gemms, views = _graph(lambda x, *p: run(x, *p, layer.bias, rows), x, *params)
+        gemms_ref, views_ref = _graph(interpreted, x, *params)
+        assert gemms == gemms_ref and len(gemms) == len(program)
+        assert views < views_ref
 
 
 def test_a_runner_generated_after_a_layer_compiled_recompiles_nothing():
@@ -103,3 +114,17 @@ def test_a_runner_generated_after_a_layer_compiled_recompiles_nothing():
     torch.compile(other, backend="eager")(torch.randn(6, 52))     # and one traced
     torch.testing.assert_close(compiled(x), first(x))
     assert counter.frame_count == 1
+
+
+def test_a_parametrized_core_is_an_error_that_says_so():
+    """The forward reads the cores from their list's parameters: a core moved out of them by
+    torch.nn.utils.parametrize is refused with a message, not run with the wrong operands."""
+    layer = cc.TTLinear(16, 12, rank=3)
+
+    class Scale(torch.nn.Module):
+        def forward(self, core):
+            return 2 * core
+
+    torch.nn.utils.parametrize.register_parametrization(layer.cores, "1", Scale())
+    with pytest.raises(RuntimeError, match="parametrization of a core"):
+        layer(torch.randn(2, 16))

@@ -37,37 +37,71 @@ def _size(dims: Sequence[Dim]) -> str:
     return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
 
 
+def _fixed(shape: Sequence[int]) -> tuple[Dim, ...]:
+    return tuple((int(s), False) for s in shape)
+
+
+def _as(name: str, shape: tuple[Dim, ...], target: Sequence[Dim]) -> str:
+    """name's tensor (of this shape) reshaped to target: nothing when the shapes are equal."""
+    return name if shape == tuple(target) else f"{name}.reshape({_size(target)})"
+
+
 def tt_linear_source(spec: TTSpec, program: Program, has_bias: bool) -> str:
-    """The source of ``run(x, c0.., g0.., bias, rows)``: x is the input as (rows, *in_modes), c and g the
+    """The source of ``run(x, c0.., g0.., bias, rows)``: x is the input as (rows, in_padded), c and g the
     layer's cores and gates at spec's ranks; returns (rows, out_features), bias added.  The program runs at
-    gemm_spec(spec)'s ranks, the cores zero-padded to them as TTLinear pads them."""
+    gemm_spec(spec)'s ranks, the cores zero-padded to them as TTLinear pads them.
+
+    Every tensor is carried with the shape it has and the shape the program sees it in, and a reshape is
+    written only where an operation needs another layout: a reshape of a reshape is one, and one to the
+    shape a tensor has is none (the program's records reshape every operand and result, most of them views
+    of the layout they already have)."""
     n = spec.num_cores
-    shapes = gemm_spec(spec).core_shapes
-    # as TTLinear's operands were made: every gate folded, then the zero padding, then the boundary ranks dropped
-    lines = [f"o{k} = c{k} * g{k}" if k < n - 1 else f"o{k} = c{k}" for k in range(n)]
-    lines += [f"o{k} = F.pad(o{k}, {pad!r})" for k, pad in enumerate(gemm_core_padding(spec)) if pad is not None]
-    lines += [f"o0 = o0.reshape{shapes[0][1:]!r}", f"o{n - 1} = o{n - 1}.reshape{shapes[-1][:-1]!r}"]
+    shapes = [_fixed(s) for s in gemm_spec(spec).core_shapes]
+    # as TTLinear's operands were made: every gate folded, then the zero padding (the boundary ranks, 1, are
+    # dropped by the reshapes the program's first use of those cores writes)
+    lines = [f"o{k} = c{k} * g{k}" for k in range(n - 1)]
+    names = [f"o{k}" for k in range(n - 1)] + [f"c{n - 1}"]
+    for k, pad in enumerate(gemm_core_padding(spec)):
+        if pad is not None:
+            lines.append(f"o{k} = F.pad({names[k]}, {pad!r})")
+            names[k] = f"o{k}"
+    vals = [("x", ((1, True), (spec.in_padded, False)), ((1, True), *_fixed(spec.in_modes)))]
+    vals += [(names[k], shapes[k], shapes[k][(k == 0):len(shapes[k]) - (k == n - 1)]) for k in range(n)]
     fused = has_bias and fuses_bias(program[-1].recipe, spec.out_features)
-    names = ["x", *(f"o{k}" for k in range(n))]
     for k, step in enumerate(program):
-        pair = names[step.i], names[step.j]
+        pair = vals[step.i], vals[step.j]
         for pos in sorted((step.i, step.j), reverse=True):
-            names.pop(pos)
+            vals.pop(pos)
         r = step.recipe
-        for side, name, op in (("a", pair[0], r.a), ("b", pair[1], r.b)):
-            expr = name
-            if op.pre_sum:
-                expr += f".sum(dim={op.pre_sum!r})"
-            if op.perm is not None:
-                expr += f".permute{op.perm!r}"
-            expr += f".reshape({_size(op.dims if r.batched else op.dims[1:])})"
+        args = []
+        for side, (name, shape, logical), op in (("a", pair[0], r.a), ("b", pair[1], r.b)):
+            dims = op.dims if r.batched else op.dims[1:]
+            if op.pre_sum or op.perm is not None:
+                expr = _as(name, shape, logical)
+                expr += f".sum(dim={op.pre_sum!r})" if op.pre_sum else ""
+                expr += f".permute{op.perm!r}" if op.perm is not None else ""
+                expr += f".reshape({_size(dims)})"
+            else:
+                expr = _as(name, shape, dims)
             if op.transposed:
                 expr += ".transpose(-1, -2)"
-            lines.append(f"{side}{k} = {expr}")
-        gemm = f"torch.addmm(bias, a{k}, b{k})" if fused and k == len(program) - 1 else f"torch.matmul(a{k}, b{k})"
-        lines.append(f"z{k} = {gemm}.reshape({_size(r.out_shape)})" + ("" if r.final is None else f".permute{r.final!r}"))
-        names.append(f"z{k}")
-    lines.append(f"y = {names[0]}.reshape(rows, {spec.out_padded})")
+                dims = (*dims[:-2], dims[-1], dims[-2])
+            if expr != name:
+                lines.append(f"{side}{k} = {expr}")
+                expr = f"{side}{k}"
+            args.append((expr, dims))
+        (a, da), (b, db) = args
+        last = k == len(program) - 1
+        lines.append(f"z{k} = " + (f"torch.addmm(bias, {a}, {b})" if fused and last else f"torch.matmul({a}, {b})"))
+        shape = (*da[:-1], db[-1])
+        if r.final is not None:
+            lines.append(f"z{k} = {_as(f'z{k}', shape, r.out_shape)}.permute{r.final!r}")
+            shape = tuple(r.out_shape[i] for i in r.final)
+            vals.append((f"z{k}", shape, shape))
+        else:
+            vals.append((f"z{k}", shape, tuple(r.out_shape)))
+    name, shape, _ = vals[0]
+    lines.append(f"y = {_as(name, shape, ((1, True), (spec.out_padded, False)))}")
     if spec.out_padded != spec.out_features:
         lines.append(f"y = y[:, :{spec.out_features}]")
     if has_bias and not fused:
