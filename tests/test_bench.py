@@ -213,6 +213,7 @@ def test_fixed_order_baseline_runs_the_reference_order_and_computes_the_same_pro
     from comera_compile import networks
     from comera_compile.benchmarks import six_encoder_step as bench
     from comera_compile.layers import TTLinear
+    from comera_compile.networks import codegen
 
     torch.manual_seed(0)
     tt = TTLinear(768, 3072, rank=30, in_modes=(12, 8, 8), out_modes=(12, 16, 16))
@@ -222,12 +223,28 @@ def test_fixed_order_baseline_runs_the_reference_order_and_computes_the_same_pro
     fixed = networks.plan_from_tree(networks.tt_linear_network(tt.gemm_spec, 128),
                                     networks.reference_tree(tt.gemm_spec))
     assert fixed.training_flops > tt.plan(128).training_flops   # a different, costlier order
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def gemm_flops(fn) -> int:
+        with FlopCounterMode(display=False) as counter:
+            fn()
+        return counter.get_total_flops()
+
+    def fixed_run():   # the fixed plan, run by the planner's interpreter on the layer's operands
+        return networks.execute(fixed, [x.reshape(128, *tt.spec.in_modes), *tt._operands()])
+
     saved = networks.tt_linear_program
+    searched_flops = gemm_flops(lambda: tt(x))
     with bench.fixed_order():
         assert networks.tt_linear_program(tt.spec, 128) == fixed.program
         eager = tt(x)
+        # the layer runs that order: the GEMMs' FLOPs are the fixed plan's, not the searched one's
+        assert gemm_flops(lambda: tt(x)) == gemm_flops(fixed_run) != searched_flops
+        _, names = codegen.tt_linear_runner_names(tt.spec.token, True, True, True)
+        assert set(names) == {codegen._runner(tt.spec, fixed.program, True)[0]}
         compiled = torch.compile(tt, backend=bench._comera_fixed_order)(x)
     assert networks.tt_linear_program is saved
+    assert gemm_flops(lambda: tt(x)) == searched_flops
     torch.testing.assert_close(eager, dense)
     torch.testing.assert_close(compiled, dense)
     torch._dynamo.reset()

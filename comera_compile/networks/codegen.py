@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..tt import TTSpec, constant_under_compile, gemm_core_padding, gemm_spec
+from .. import networks  # its tt_linear_program and tt_linear_segments, read at each call (see below)
 from .plan import Dim, Program, fuses_bias
-from .segments import tt_linear_program, tt_linear_segments
 
 __all__ = ["RUNNERS", "tt_linear_source", "tt_linear_runner", "tt_linear_runner_names", "eager_tt_linear_runner"]
 
@@ -130,24 +130,20 @@ def tt_linear_runner(spec: TTSpec, program: Program, has_bias: bool) -> Callable
     return _runner(spec, program, has_bias)[1]
 
 
-@lru_cache(maxsize=4096)
 def eager_tt_linear_runner(spec: TTSpec, rows: int, training: bool, input_requires_grad: bool,
                            has_bias: bool) -> Callable[..., torch.Tensor]:
-    """The runner of tt_linear_program's plan for exactly this many rows (the eager path)."""
-    return _runner(spec, tt_linear_program(spec, rows, training, input_requires_grad), has_bias)[1]
-
-
-@lru_cache(maxsize=4096)
-def _names(token: str, training: bool, input_requires_grad: bool, has_bias: bool
-           ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    spec = TTSpec.of(token)
-    thresholds, programs = tt_linear_segments(token, training, input_requires_grad)
-    return thresholds, tuple(_runner(spec, p, has_bias)[0] for p in programs)
+    """The runner of networks.tt_linear_program's plan for exactly this many rows (the eager path).  The
+    planner's functions are read from the package at each call, as the layers always read them: the
+    six-encoder benchmark swaps them for the reference's fixed order (benchmarks.six_encoder_step)."""
+    return _runner(spec, networks.tt_linear_program(spec, rows, training, input_requires_grad), has_bias)[1]
 
 
 @constant_under_compile
 def tt_linear_runner_names(token: str, training: bool, input_requires_grad: bool, has_bias: bool
                            ) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """tt_linear_segments' thresholds and, for each segment's program, the name of its runner in RUNNERS:
-    constants under torch.compile, which picks the runner by comparing the row count with the thresholds."""
-    return _names(token, training, input_requires_grad, has_bias)
+    """networks.tt_linear_segments' thresholds and, for each segment's program, the name of its runner in
+    RUNNERS: constants under torch.compile, which picks the runner by comparing the row count with the
+    thresholds."""
+    thresholds, programs = networks.tt_linear_segments(token, training, input_requires_grad)
+    spec = TTSpec.of(token)
+    return thresholds, tuple(_runner(spec, p, has_bias)[0] for p in programs)
