@@ -2,10 +2,10 @@
 
 run_program interprets a program: a loop over Contraction records, each read field by field.  torch.compile
 traces that interpreter bytecode by bytecode, about a hundred inlined calls per layer, and eager mode pays
-the same Python on every call.  tt_linear_runner writes the same ops (the gates folded into the cores, their
-zero padding, the program's reshapes, permutes and GEMMs, the bias, the output slice) as the body of one
-generated function with every size a literal or ``rows`` times one, so dynamo traces a few dozen lines and
-the graph holds exactly the ops run_program's would.  Generated functions live as attributes of RUNNERS
+the same Python on every call.  tt_linear_runner writes the product (the gates folded into the cores, their
+zero padding, the program's sums, permutes and GEMMs, the bias, the output slice) as the body of one
+generated function with every size a literal or ``rows`` times one, so dynamo traces a few dozen lines; the
+graph holds run_program's GEMMs and only the reshapes that change a layout.  Generated functions live as attributes of RUNNERS
 under a name made from their source: a compiled layer reads ``getattr(RUNNERS, name)``, which dynamo guards
 on that one attribute, so generating another layer's function later recompiles nothing.
 """
