@@ -5,9 +5,9 @@ traces that interpreter bytecode by bytecode, about a hundred inlined calls per 
 the same Python on every call.  tt_linear_runner writes the product (the gates folded into the cores, their
 zero padding, the program's sums, permutes and GEMMs, the bias, the output slice) as the body of one
 generated function with every size a literal or ``rows`` times one, so dynamo traces a few dozen lines; the
-graph holds run_program's GEMMs and only the reshapes that change a layout.  Generated functions live as attributes of RUNNERS
-under a name made from their source: a compiled layer reads ``getattr(RUNNERS, name)``, which dynamo guards
-on that one attribute, so generating another layer's function later recompiles nothing.
+graph holds run_program's GEMMs and only the reshapes that change a layout.  Generated functions live as
+attributes of RUNNERS under a name made from their source: a compiled layer reads ``getattr(RUNNERS, name)``,
+which dynamo guards on that one attribute, so generating another layer's function later recompiles nothing.
 """
 
 from __future__ import annotations
