@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from comera_compile import networks as nw
+from comera_compile.networks import codegen
 from comera_compile.layers import TTLinear
 from comera_compile.report import times_faster
 
@@ -42,12 +43,11 @@ def cases(dense: nn.Linear, tt: TTLinear, x: torch.Tensor, grad: torch.Tensor) -
         fresh(tt)
         tt(x).backward(grad)
 
-    def run_fixed() -> None:  # same executor and bias fusion as TTLinear: only the order differs
+    run_order = codegen.tt_linear_runner(tt.spec, fixed.program, tt.bias is not None)
+
+    def run_fixed() -> None:  # the code TTLinear generates for a program, bias fusion included: only the order differs
         fresh(tt)
-        fused = nw.fuses_bias(fixed.steps[-1].recipe, tt.out_features)
-        y = nw.execute(fixed, [x.reshape(rows, *tt.spec.in_modes), *tt._operands()],
-                       bias=tt.bias if fused else None).reshape(rows, -1)
-        (y if fused else y + tt.bias).backward(grad)
+        run_order(x, *tt.cores, *tt.gates, tt.bias, rows).backward(grad)
 
     return {"nn.Linear": run_dense, "TT searched": run_tt, "TT fixed order": run_fixed}
 

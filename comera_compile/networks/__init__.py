@@ -2,7 +2,8 @@
 
 network (what is contracted) <- cost (what a contraction costs) <- plan (a tree as executable steps)
 <- order (the cheapest tree: search) <- segments (TT linear programs per row count) and lookup (TTM embedding
-lookups) <- codegen (a TT linear layer's program as one generated function, what the layer runs).  Import from here: `from comera_compile import networks as nw; nw.plan_tt_linear(spec, rows)`.
+lookups) <- codegen (a TT linear layer's program as one generated function, what the layer runs).  Import
+from here: `from comera_compile import networks as nw; nw.plan_tt_linear(spec, rows)`.
 """
 
 from .cost import TRAFFIC_WEIGHT, contraction_cost, tree_cost
