@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
-import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -27,8 +26,8 @@ from torch import nn
 from comera_compile.examples.code_data import (SPECIAL_TOKENS, Corpus, DemoError, load_corpus, mask_batch,
                                                to_blocks, train_tokenizer, unigram_baseline)
 from comera_compile.examples.compile_cache import own_compile_cache, warm_up_compiler
-from comera_compile.examples.demo_dist import (PARALLEL, World, arithmetic, from_env, placement_checks,
-                                               resolve_precision, run_in_world)
+from comera_compile.examples.demo_dist import (PARALLEL, World, arithmetic, budget_checks, from_env,
+                                               placement_checks, resolve_precision, run_in_world)
 from comera_compile.examples.demo_train import Data, encoder_params, total_params, train_one
 from comera_compile.examples.run_store import RunStore, fingerprint
 from comera_compile.examples.six_encoder import EncoderLayer, SixEncoderConfig
@@ -114,13 +113,7 @@ class DemoConfig:
         option to change."""
         self.model_size()
         checks = [
-            (not self.resume or self.out is not None, "--resume needs --out DIR, the folder of the run to go on with"),
-            (self.minutes is not None or self.steps is not None,
-             "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
-            (self.minutes is None or 0 < self.minutes < math.inf,
-             f"--minutes must be a positive number (for no time budget, give --steps alone), got {self.minutes}"),
-            (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
-            (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
+            *budget_checks(self.resume, self.out, self.minutes, self.steps, self.batch),
             (self.seq_len >= 8, f"--seq-len must be at least 8 (15% of it is masked), got {self.seq_len}"),
             (self.vocab_size >= 256 + len(SPECIAL_TOKENS),
              f"--vocab-size must be at least {256 + len(SPECIAL_TOKENS)} (the 256 byte symbols and "

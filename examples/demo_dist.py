@@ -14,6 +14,7 @@ demo``) and demo_train.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -21,8 +22,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["World", "PARALLEL", "PRECISIONS", "from_env", "shutdown", "wrap", "agree", "placement_checks",
-           "run_in_world", "resolve_precision", "autocast_dtype", "arithmetic", "skipped_in_a_row"]
+__all__ = ["World", "PARALLEL", "PRECISIONS", "from_env", "shutdown", "wrap", "agree", "budget_checks",
+           "placement_checks", "run_in_world", "resolve_precision", "autocast_dtype", "arithmetic", "skipped_in_a_row"]
 
 PARALLEL = ("ddp", "fsdp")
 # The training steps' arithmetic: fp32; fp32 with TF32 matmuls (CUDA); bf16 autocast of forward and loss (the
@@ -108,6 +109,21 @@ def arithmetic(precision: str, device: torch.device) -> Iterator[torch.dtype | N
         yield autocast_dtype(precision)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def budget_checks(resume: bool, out: object, minutes: float | None, steps: int | None, batch: int
+                  ) -> list[tuple[bool, str]]:
+    """(holds, message) for the run settings every training command checks: --resume with the folder it
+    resumes, a budget in minutes or steps (or both), each of them positive, and a batch of at least one."""
+    return [
+        (not resume or out is not None, "--resume needs --out DIR, the folder of the run to go on with"),
+        (minutes is not None or steps is not None,
+         "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
+        (minutes is None or 0 < minutes < math.inf,
+         f"--minutes must be a positive number (for no time budget, give --steps alone), got {minutes}"),
+        (steps is None or steps >= 1, f"--steps must be at least 1, got {steps}"),
+        (batch >= 1, f"--batch must be at least 1, got {batch}"),
+    ]
 
 
 def placement_checks(device: str, batch: int, processes: int, precision: str | None = None,

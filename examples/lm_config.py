@@ -3,13 +3,12 @@ for a 2-core CPU) and PretrainConfig, which `comera-compile pretrain`'s options 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from comera_compile.examples.code_data import DemoError
-from comera_compile.examples.demo_dist import placement_checks, resolve_precision
+from comera_compile.examples.demo_dist import budget_checks, placement_checks, resolve_precision
 from comera_compile.examples.lm_data import missing_tokenizer
 from comera_compile.examples.lm_sources import missing_data
 
@@ -138,14 +137,7 @@ class PretrainConfig:
         checks = [
             (not bad and len(self.methods) > 0,
              f"--methods takes a comma-separated subset of {','.join(METHODS)}, got {','.join(self.methods)!r}"),
-            (not self.resume or self.out is not None,
-             "--resume needs --out DIR, the folder of the run to go on with"),
-            (self.minutes is not None or self.steps is not None,
-             "give a budget: --minutes (wall clock per model) or --steps (steps per model)"),
-            (self.minutes is None or 0 < self.minutes < math.inf,
-             f"--minutes must be a positive number (for no time budget, give --steps alone), got {self.minutes}"),
-            (self.steps is None or self.steps >= 1, f"--steps must be at least 1, got {self.steps}"),
-            (self.batch >= 1, f"--batch must be at least 1, got {self.batch}"),
+            *budget_checks(self.resume, self.out, self.minutes, self.steps, self.batch),
             (self.seq_len >= 2, f"--seq-len must be at least 2 (a token and its successor), got {self.seq_len}"),
             (self.seq_len <= s.max_positions,
              f"--seq-len {self.seq_len} is above the model's {s.max_positions} positions (preset {self.preset!r}, "
