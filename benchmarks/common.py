@@ -13,7 +13,7 @@ from torch import nn
 from comera_compile import networks
 from comera_compile.tt import TTSpec, gemm_spec
 
-__all__ = ["Measurement", "compare", "gemm_calls", "format_flat_rows", "eager_step", "compiled_autograd_step",
+__all__ = ["Measurement", "compare", "rounds", "gemm_calls", "format_flat_rows", "eager_step", "compiled_autograd_step",
            "fixed_order_plan", "table_shape", "EXTRAS", "row_plan"]
 
 GEMM_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm")
@@ -31,11 +31,18 @@ class Measurement:
         return statistics.median(self.samples)
 
 
+def rounds(names: list[str], repeat: int) -> list[list[str]]:
+    """The order of the cases in each of `repeat` timing rounds: all of them, each round starting one case
+    further on, so no case always runs after the same other (whose freed memory or evicted caches it would
+    inherit) and a slow drift of the machine hits every case alike."""
+    return [names[r % len(names):] + names[:r % len(names)] for r in range(repeat)]
+
+
 def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: int = 10,
             min_time: float = 0.0, device: torch.device | str | None = None) -> dict[str, Measurement]:
-    """Time each case `repeat` times after `warmup` calls, interleaving the cases so slow drifts of the
-    machine hit all of them alike.  A case is repeated within one sample until min_time has passed.  On a
-    CUDA `device` every call ends with a synchronize, so the host clock sees the device's work."""
+    """Time each case `repeat` times after `warmup` calls, the cases interleaved in rounds (rounds()).  A
+    case is repeated within one sample until min_time has passed.  On a CUDA `device` every call ends with a
+    synchronize, so the host clock sees the device's work."""
     sync = torch.cuda.synchronize if device is not None and torch.device(device).type == "cuda" else None
     if sync is not None:
         cases = {name: (lambda fn=fn: (fn(), sync())) for name, fn in cases.items()}
@@ -43,8 +50,9 @@ def compare(cases: dict[str, Callable[[], object]], *, warmup: int = 3, repeat: 
         for _ in range(warmup):
             fn()
     out = {name: Measurement(name) for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
+    for order in rounds(list(cases), repeat):
+        for name in order:
+            fn = cases[name]
             n, t0 = 0, time.perf_counter()
             while True:
                 fn()

@@ -38,7 +38,7 @@ from comera_compile.examples import six_encoder
 from comera_compile.memory import peak_bytes
 from comera_compile.step_time import call_ms
 
-from .common import EXTRAS, compiled_autograd_step, eager_step, row_plan, table_shape
+from .common import EXTRAS, compiled_autograd_step, eager_step, rounds, row_plan, table_shape
 from .galore import galore_optimizer, persistent_bytes
 from .six_encoder_step import _comera_fixed_order, _in_fixed_order, fixed_order
 
@@ -71,17 +71,17 @@ def _sync(device: torch.device) -> None:
 
 def device_compare(cases: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 3,
                    repeat: int = 10) -> dict[str, float]:
-    """Median milliseconds of each case, the cases interleaved, after `warmup` calls each: CUDA events
-    around each call on CUDA (device time, launch gaps included), the host clock after a synchronize
-    elsewhere."""
+    """Median milliseconds of each case, the cases interleaved in rounds (common.rounds), after `warmup`
+    calls each: CUDA events around each call on CUDA (device time, launch gaps included), the host clock
+    after a synchronize elsewhere."""
     for fn in cases.values():
         for _ in range(warmup):
             fn()
     _sync(device)
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeat):
-        for name, fn in cases.items():
-            samples[name].append(call_ms(fn, device))
+    for order in rounds(list(cases), repeat):
+        for name in order:
+            samples[name].append(call_ms(cases[name], device))
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

@@ -292,8 +292,20 @@ def test_device_compare_interleaves_the_cases_and_reports_each_median():
     calls = []
     cases = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
     ms = device_compare(cases, torch.device("cpu"), warmup=1, repeat=3)
-    assert calls == ["a", "b"] + ["a", "b"] * 3   # warm-up, then one of each per round
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]   # warm-up, then one of each per round
     assert set(ms) == {"a", "b"} and all(v >= 0 for v in ms.values())
+
+
+def test_compare_starts_each_round_one_case_further_on():
+    """Every case runs once a round; each round starts at the next case, so none always follows the same
+    other case (whose freed memory it would inherit)."""
+    from comera_compile.benchmarks.common import compare
+
+    calls = []
+    cases = {k: (lambda k=k: calls.append(k)) for k in "abc"}
+    ms = compare(cases, warmup=1, repeat=4)
+    assert calls == list("abc") + list("abc") + list("bca") + list("cab") + list("abc")
+    assert all(len(ms[k].samples) == 4 for k in "abc")
 
 
 def test_compile_step_under_bf16_autocast_matches_eager_autocast_steps():
