@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import shlex
 import sys
@@ -113,11 +114,14 @@ _SPAWN_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "comer
 SPAWN_DEADLINE = 900.0   # seconds; a test's processes still running then are killed and the test fails
 
 
-def _exit_after(rank: int, fn: Callable[..., Any], errors: str, *args: Any) -> None:
+def _exit_after(rank: int, fn: Callable[..., Any], errors: str, stacks_after: float, *args: Any) -> None:
     """Run fn(rank, *args) in a spawned process and leave it with os._exit, its traceback (if any) in
     errors.RANK: the interpreter's teardown is skipped, where gloo's threads can deadlock the process group's
-    destructor (a worker once hung there for ten minutes, another aborted)."""
+    destructor (a worker once hung there for ten minutes, another aborted).  A process still running after
+    stacks_after seconds writes every thread's stack to errors.RANK.stacks, for the report of a hang."""
     code = 0
+    stacks = open(f"{errors}.{rank}.stacks", "w")
+    faulthandler.dump_traceback_later(stacks_after, file=stacks)
     try:
         fn(rank, *args)
     except BaseException:
@@ -141,8 +145,8 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2, deadline: f
     multiprocessing.set_forkserver_preload(_SPAWN_PRELOAD)   # read when the server starts, at the first call
     with tempfile.TemporaryDirectory(prefix="comera-spawn-") as tmp:
         errors = os.path.join(tmp, "error")
-        context = mp.start_processes(_exit_after, args=(fn, errors, *args), nprocs=nprocs, join=False,
-                                     start_method="forkserver")
+        context = mp.start_processes(_exit_after, args=(fn, errors, max(deadline - 15, 1), *args), nprocs=nprocs,
+                                     join=False, start_method="forkserver")
         end = time.monotonic() + deadline
         try:
             while not context.join(timeout=5):
@@ -150,10 +154,12 @@ def spawn(fn: Callable[..., Any], args: tuple = (), nprocs: int = 2, deadline: f
                     for process in context.processes:
                         process.kill()
                         process.join()
+                    stacks = "".join(f"\n-- process {p.name.split('.')[1]}'s threads --\n{p.read_text()}"
+                                     for p in sorted(Path(tmp).glob("error.*.stacks")))
                     raise TimeoutError(f"{fn.__name__}'s {nprocs} processes still ran after {deadline:.0f} s; "
-                                       "killed")
+                                       f"killed{stacks}")
         except mp.ProcessExitedException as failed:
-            found = sorted(Path(tmp).glob("error.*"))
+            found = sorted(p for p in Path(tmp).glob("error.*") if p.suffix != ".stacks")
             if not found:
                 raise
             raise AssertionError("a spawned process failed:\n" + "\n".join(

@@ -182,6 +182,18 @@ def test_ddp_stale_wrapper_after_a_reallocation_is_an_error(tmp_path):
         assert error is not None and "rebuild the wrapper" in error, error
 
 
+def _hang(rank: int) -> None:
+    time.sleep(600)
+
+
+def test_a_hung_process_is_killed_and_its_threads_stacks_are_reported():
+    """helpers.spawn's deadline: a test whose processes hang fails, and says where each thread stood."""
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"(?s)still ran after 8 s; killed.*process 0's threads.*in _hang"):
+        spawn(_hang, nprocs=1, deadline=8)
+    assert time.monotonic() - t0 < 60
+
+
 def _stack() -> nn.Module:
     """A model of repeated blocks the tests did not write: a tensorized nn.TransformerEncoder."""
     import warnings
