@@ -347,15 +347,15 @@ class TTLinear(TTLayer):
                                f"expected); a parametrization of a core (torch.nn.utils.parametrize) is not "
                                f"supported: parametrize the TT layer's input or output instead")
         training = torch.is_grad_enabled() and (x.requires_grad or params[0].requires_grad)
-        has_bias = self.bias is not None
-        if exporting() or torch.compiler.is_compiling():
+        has_bias, export = self.bias is not None, exporting()
+        if export or torch.compiler.is_compiling():
             # The plans of all row counts are one constant (their runners' names): comparing the (maybe
             # symbolic) row count with their thresholds picks one, so dynamic batch sizes need no recompile per
             # size.  An exported program serves every row count: one plan (any plan computes the same
             # product), no guard on the row count (strict export traces with dynamo, which cannot enter the
             # planner's caches).
             thresholds, names = codegen.tt_linear_runner_names(spec.token, training, x.requires_grad, has_bias)
-            if exporting():
+            if export:
                 segment = sum(EXPORT_ROWS >= t for t in thresholds)
             else:
                 # (the graphs of the segments a changing row count reaches: not counted against dynamo's limit)
