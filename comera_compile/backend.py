@@ -68,7 +68,7 @@ OPTIONS: dict[str, tuple[Any, str]] = {
                        "comera.<kind>[<layer>], so torch.profiler and cc.profile attribute compiled time "
                        "(forward and backward) to each layer; costs the fusion across layer boundaries and, "
                        "on CUDA, CUDA Graphs (every kernel shows): for profiling runs"),
-    "memory": (False, "Tempo memory passes (GELU, LayerNorm, attention keep less for backward); their "
+    "memory": (False, "Tempo memory passes (GELU, LayerNorm, RMSNorm, SwiGLU, attention keep less for backward); their "
                       "autograd Functions run eagerly, so the graph then skips Inductor"),
 }
 

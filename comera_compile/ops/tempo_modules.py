@@ -14,9 +14,12 @@ from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, exporting, plain_ops
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
+from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, silu_mul, upcast_rms_norm
 
-__all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TEMPO_MODULES", "tempo_dropout",
-           "module_dropout", "module_gelu", "module_gelu_dropout", "module_layer_norm", "module_attention"]
+__all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TempoRMSNorm", "TempoUpcastRMSNorm",
+           "TempoGatedMLP", "TEMPO_MODULES", "tempo_dropout",
+           "module_dropout", "module_gelu", "module_gelu_dropout", "module_layer_norm", "module_attention",
+           "module_rms_norm"]
 
 
 def tempo_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
@@ -74,6 +77,56 @@ class TempoLayerNorm(nn.LayerNorm):
         return layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+class TempoRMSNorm(nn.RMSNorm):
+    """nn.RMSNorm whose backward works from its output and per-row 1/rms; in eval, nn.RMSNorm."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return rms_norm(x, len(self.normalized_shape), self.weight, eps)
+
+
+class TempoUpcastRMSNorm(nn.Module):
+    """The RMSNorm of transformers' decoders (Llama, Qwen2, Mistral, ...: normalised in float32, cast back to
+    the input's dtype, then scaled by ``weight``; ``variance_epsilon`` inside the root), whose backward works
+    from its output and per-row 1/rms when input and weight are float32; otherwise, and in eval, that
+    module's own computation (16-bit or float64 input with a warning, once)."""
+
+    def __init__(self, weight: nn.Parameter, variance_epsilon: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            return upcast_rms_norm(x, self.weight, self.variance_epsilon)
+        return self.weight * rms_norm_reference(x.to(torch.float32), 1, None, self.variance_epsilon).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+class TempoGatedMLP(nn.Module):
+    """A SiLU-gated MLP, ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (transformers' Llama, Qwen2,
+    Mistral, ... MLP), whose gating keeps gate and up for backward, not the activation's output besides
+    (silu_mul); in eval, the same expression with its own act_fn.  Holds the MLP's own projections under their
+    names (the state_dict is unchanged) and its other plain attributes (config, sizes)."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        super().__init__()
+        for name, value in vars(mlp).items():
+            if not name.startswith("_") and name != "training":
+                setattr(self, name, value)
+        for name, child in mlp.named_children():
+            self.add_module(name, child)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
 class TempoDropout(nn.Dropout):
     """nn.Dropout keeping its mask as bits for backward."""
 
@@ -114,4 +167,14 @@ def module_attention(scores: torch.Tensor, v: torch.Tensor, dim: int, module: nn
     return softmax_dropout_matmul(scores, v, module.p, module.training, dim)
 
 
-TEMPO_MODULES = (TempoGELU, TempoGELUDropout, TempoLayerNorm, TempoDropout)
+def module_rms_norm(x: torch.Tensor, module: nn.RMSNorm) -> torch.Tensor:
+    """Tempo rms_norm with an nn.RMSNorm's shape, eps and weight (read at run time) while it trains, torch's
+    F.rms_norm in eval."""
+    if not module.training:
+        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
+    eps = torch.finfo(x.dtype).eps if module.eps is None else module.eps
+    return rms_norm(x, len(module.normalized_shape), module.weight, eps)
+
+
+TEMPO_MODULES = (TempoGELU, TempoGELUDropout, TempoLayerNorm, TempoDropout, TempoRMSNorm, TempoUpcastRMSNorm,
+                 TempoGatedMLP)

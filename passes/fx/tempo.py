@@ -21,9 +21,11 @@ from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.hash_dropout import HashDropout, hash_dropout
 from comera_compile.ops.layer_norm import layer_norm
-from comera_compile.ops.tempo_modules import (TEMPO_MODULES, module_attention, module_dropout, module_gelu,
+from comera_compile.ops.tempo_modules import (module_attention, module_dropout, module_gelu,
                                               module_gelu_dropout, module_layer_norm, tempo_dropout)
 from comera_compile.passes import GraphPassResult, calls_in_place, node_shape
+from comera_compile.passes.fx.nodes import arg, called_module, first_input, single_user
+from comera_compile.passes.fx.tempo_decoder import decoder_site
 
 __all__ = ["TempoSummary", "tempo_graph"]
 
@@ -73,24 +75,6 @@ _MATMUL_FNS = {operator.matmul, torch.matmul}
 _gelu_fn, _layer_norm_fn, _dropout_fn = gelu, layer_norm, tempo_dropout
 
 
-def _arg(node: torch.fx.Node, i: int, name: str, default: Any) -> Any:
-    if len(node.args) > i:
-        return node.args[i]
-    return node.kwargs.get(name, default)
-
-
-def _input(node: torch.fx.Node) -> Any:
-    """The first argument of a call, given by position or as `input`."""
-    return _arg(node, 0, "input", None)
-
-
-def _module(gm: torch.fx.GraphModule, node: torch.fx.Node) -> nn.Module | None:
-    if node.op != "call_module":
-        return None
-    mod = gm.get_submodule(node.target)
-    return None if isinstance(mod, TEMPO_MODULES) else mod
-
-
 def _where(node: torch.fx.Node) -> str:
     return f"{node.name} ({node.target})" if node.op == "call_module" else node.name
 
@@ -106,7 +90,7 @@ class _DropoutSite:
 
 
 def _as_dropout(gm: torch.fx.GraphModule, node: torch.fx.Node, summary: TempoSummary) -> _DropoutSite | None:
-    mod = _module(gm, node)
+    mod = called_module(gm, node)
     if isinstance(mod, HashDropout) or node.op == "call_function" and node.target is hash_dropout:
         summary.kept[_where(node)] = "hash dropout (fast_dropout ran first; Tempo fuses torch's dropouts)"
         return None
@@ -118,9 +102,9 @@ def _as_dropout(gm: torch.fx.GraphModule, node: torch.fx.Node, summary: TempoSum
             return None
         return _DropoutSite(node, node.target, None, None)
     if node.op == "call_function" and node.target in _DROPOUT_FNS:
-        p = _arg(node, 1, "p", 0.5)
-        training = _arg(node, 2, "training" if node.target is F.dropout else "train", True)
-        inplace = _arg(node, 3, "inplace", False) if node.target is F.dropout else False
+        p = arg(node, 1, "p", 0.5)
+        training = arg(node, 2, "training" if node.target is F.dropout else "train", True)
+        inplace = arg(node, 3, "inplace", False) if node.target is F.dropout else False
         if not isinstance(p, (int, float)) or not isinstance(training, bool):
             summary.kept[_where(node)] = "dropout whose p or training flag is computed in the graph"
             return None
@@ -132,11 +116,11 @@ def _as_dropout(gm: torch.fx.GraphModule, node: torch.fx.Node, summary: TempoSum
 
 
 def _gelu_form(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str | None:
-    mod = _module(gm, node)
+    mod = called_module(gm, node)
     if mod is not None:
         return mod.approximate if type(mod) is nn.GELU else None
     if node.op == "call_function" and node.target in _GELU_FNS:
-        form = _arg(node, 1, "approximate", "none")
+        form = arg(node, 1, "approximate", "none")
         return form if form in ("none", "tanh") else None
     return None
 
@@ -157,7 +141,7 @@ def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     for user in node.users:
         if user.op == "call_function" and user.target is operator.setitem and user.args[0] is node:
             return True
-        if _input(user) is not node:
+        if first_input(user) is not node:
             continue
         if (user.op == "call_function" and user.target in _VIEW_FNS) or (
                 user.op == "call_method" and user.target in _VIEW_METHODS):
@@ -174,16 +158,11 @@ def _written_in_place(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     return False
 
 
-def _single_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
 def _softmax_dim(node: torch.fx.Node) -> Any:
     if node.op == "call_method" and node.target == "softmax":
-        return _arg(node, 1, "dim", None)
+        return arg(node, 1, "dim", None)
     if node.op == "call_function" and node.target in _SOFTMAX_FNS:
-        return _arg(node, 1, "dim", None)
+        return arg(node, 1, "dim", None)
     return False  # not a softmax
 
 
@@ -198,12 +177,15 @@ def _is_matmul(node: torch.fx.Node) -> bool:
 
 
 def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | None = None, *, gelu: bool = True,
-                layer_norm: bool = True, attention: bool = True, dropout: bool = True) -> GraphPassResult:
-    """Replace GELU, LayerNorm, dropout and softmax -> dropout -> matmul in `gm` by their Tempo versions,
+                layer_norm: bool = True, attention: bool = True, dropout: bool = True, rms_norm: bool = True,
+                swiglu: bool = True) -> GraphPassResult:
+    """Replace GELU, LayerNorm, RMSNorm, silu(gate) * up, dropout and softmax -> dropout -> matmul in `gm` by
+    their Tempo versions,
     in place; the result's summary (also ``gm.tempo_summary``, and logged) is a TempoSummary.  example_inputs is
     accepted, as by every fx pass, and not needed.
 
-    Recognised: nn.GELU / F.gelu (both forms), nn.LayerNorm / F.layer_norm (any affine setting), nn.Dropout
+    Recognised: nn.GELU / F.gelu (both forms), nn.LayerNorm / F.layer_norm (any affine setting), nn.RMSNorm /
+    F.rms_norm, F.silu / nn.SiLU multiplied by another tensor (SwiGLU's gating), nn.Dropout
     / F.dropout, torch.softmax / F.softmax / .softmax over the last dim feeding a dropout feeding the left
     side of a matmul (@, torch.matmul, .matmul), and GELU feeding a dropout (fused).  Modules keep their
     parameters and their train/eval switch: the new nodes read them from the module at run time (in eval,
@@ -233,26 +215,26 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
             dim = _softmax_dim(node)
             if dim is False or node not in graph.nodes:
                 continue
-            scores = _input(node)
+            scores = first_input(node)
             if not isinstance(scores, torch.fx.Node):
                 continue
             # torch.softmax(x, dim, dtype) and x.softmax(dim, dtype) take it third; F.softmax fourth
-            if _arg(node, 3 if node.target is F.softmax else 2, "dtype", None) is not None:
+            if arg(node, 3 if node.target is F.softmax else 2, "dtype", None) is not None:
                 summary.kept[_where(node)] = "softmax with a dtype argument"
                 continue
             nd = _ndim(scores)
             if not isinstance(dim, int) or not (dim == -1 or (nd is not None and dim == nd - 1)):
                 summary.kept[_where(node)] = f"softmax over dim {dim!r}, not known to be the last"
                 continue
-            drop_node = _single_user(node)
+            drop_node = single_user(node)
             if drop_node is None:
                 continue  # softmax output used elsewhere too (e.g. returned): nothing to save
             d = _as_dropout(gm, drop_node, summary)
-            mm = _single_user(drop_node) if d is not None else None
-            if d is None or mm is None or not _is_matmul(mm) or _input(drop_node) is not node:
+            mm = single_user(drop_node) if d is not None else None
+            if d is None or mm is None or not _is_matmul(mm) or first_input(drop_node) is not node:
                 continue
-            v = _arg(mm, 1, "other", None)
-            if _input(mm) is not drop_node or not isinstance(v, torch.fx.Node):
+            v = arg(mm, 1, "other", None)
+            if first_input(mm) is not drop_node or not isinstance(v, torch.fx.Node):
                 continue
             with graph.inserting_before(mm):
                 if d.module is not None:
@@ -270,12 +252,12 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
         if form is not None and _written_in_place(gm, node):
             summary.kept[_where(node)] = "gelu whose output is then modified in place (Tempo keeps the output)"
             continue
-        if form is not None and _input(node) is not None:
+        if form is not None and first_input(node) is not None:
             prepare_tables(form)   # now, not inside a forward torch.compile would trace
-            x = _input(node)
-            user = _single_user(node)
+            x = first_input(node)
+            user = single_user(node)
             d = _as_dropout(gm, user, summary) if (dropout and user is not None) else None
-            if d is not None and _input(user) is node and not _written_in_place(gm, user):
+            if d is not None and first_input(user) is node and not _written_in_place(gm, user):
                 with graph.inserting_before(user):
                     if d.module is not None:
                         target, args = module_gelu_dropout, (x, form, graph.get_attr(d.module))
@@ -292,19 +274,19 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
                 replace(node, target, args, f"gelu ({form} form): output and branch bits kept", _where(node))
             continue
         if layer_norm and _written_in_place(gm, node) and (
-                (node.op == "call_module" and type(_module(gm, node)) is nn.LayerNorm)
+                (node.op == "call_module" and type(called_module(gm, node)) is nn.LayerNorm)
                 or (node.op == "call_function" and node.target in _LAYER_NORM_FNS)):
             summary.kept[_where(node)] = "layer_norm whose output is then modified in place (Tempo keeps the output)"
             continue
         if layer_norm:
-            mod = _module(gm, node)
-            if mod is not None and type(mod) is nn.LayerNorm and _input(node) is not None:
+            mod = called_module(gm, node)
+            if mod is not None and type(mod) is nn.LayerNorm and first_input(node) is not None:
                 with graph.inserting_before(node):   # shape, eps, parameters and mode read at run time
-                    args = (_input(node), graph.get_attr(node.target))
+                    args = (first_input(node), graph.get_attr(node.target))
                 replace(node, module_layer_norm, args, "layer_norm: output and 1/std kept", _where(node))
                 continue
             if node.op == "call_function" and node.target in _LAYER_NORM_FNS:
-                args = [_arg(node, i, k, dflt) for i, (k, dflt) in enumerate(
+                args = [arg(node, i, k, dflt) for i, (k, dflt) in enumerate(
                     [("input", None), ("normalized_shape", None), ("weight", None), ("bias", None),
                      ("eps", 1e-5)])]
                 if isinstance(args[1], (int, tuple, list, torch.Size)) and not isinstance(args[4], torch.fx.Node):
@@ -314,15 +296,26 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
                 else:
                     summary.kept[_where(node)] = "layer_norm whose shape or eps is computed in the graph"
                 continue
+        site = decoder_site(gm, node, rms_norm, swiglu)
+        if site is not None:
+            if site.keeps_output and site.target is not None and _written_in_place(gm, site.node):
+                site.kept = f"{site.what.split(':')[0]} whose output is then modified in place (Tempo keeps the output)"
+            if site.kept is not None:
+                summary.kept[site.where] = site.kept
+            else:
+                with graph.inserting_before(site.node):
+                    args = tuple(graph.get_attr(a) if i in site.attrs else a for i, a in enumerate(site.args))
+                replace(site.node, site.target, args, site.what, site.where, erase=site.erase)
+            continue
         if dropout:
             d = _as_dropout(gm, node, summary)
-            if d is not None and _input(node) is not None:
+            if d is not None and first_input(node) is not None:
                 if d.module is not None:
                     with graph.inserting_before(node):
-                        args = (_input(node), graph.get_attr(d.module))
+                        args = (first_input(node), graph.get_attr(d.module))
                     replace(node, module_dropout, args, "dropout: mask as bits", _where(node))
                 else:
-                    replace(node, _dropout_fn, (_input(node), d.p, d.training), "dropout: mask as bits",
+                    replace(node, _dropout_fn, (first_input(node), d.p, d.training), "dropout: mask as bits",
                             _where(node))
     graph.lint()
     gm.recompile()

@@ -1,0 +1,327 @@
+"""Tempo for decoder LMs: RMSNorm keeping its output, SwiGLU's gating keeping its two inputs (ops.rms_norm), the
+module swap on transformers' Llama, Qwen2 and Mistral and the graph pass on nn.RMSNorm / F.rms_norm / SiLU
+products.
+
+References are computed another way: torch's F.rms_norm and F.silu under ordinary autograd, float64
+gradcheck, the unmodified transformers model, and the bytes each op saves counted from the tensor sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+import torch.fx
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import comera_compile as cc
+from comera_compile.memory import SavedTensors
+from comera_compile.ops.buffers import TempoDtypeWarning
+from comera_compile.ops.rms_norm import rms_norm, silu_mul
+from comera_compile.ops.tempo_modules import TempoGatedMLP, TempoRMSNorm, TempoUpcastRMSNorm
+from comera_compile.passes.fx.tempo import tempo_graph
+from comera_compile.passes.module.tempo import tempo_modules
+from tempo_helpers import SETTINGS, close, grads_of
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The ops
+
+
+@given(st.integers(1, 6), st.sampled_from([(8,), (33,), (4, 5)]), st.booleans(),
+       st.sampled_from([torch.float32, torch.float64]), st.integers(0, 99))
+@settings(**SETTINGS)
+def test_rms_norm_matches_torch(rows, shape, weighted, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 3, *shape, generator=gen, dtype=dtype) * 3 + 1
+    g = torch.randn(x.shape, generator=gen, dtype=dtype)
+    w = torch.randn(shape, generator=gen, dtype=dtype)
+    w.view(-1)[0] = 0.0        # the normalised input cannot be rebuilt from the output there
+    w.view(-1)[-1] = 1e-30     # nor here (the product underflows)
+    inputs = [x, w] if weighted else [x]
+    got = grads_of(lambda x, *w: rms_norm(x, len(shape), *(w or [None]), eps=1e-6), inputs, g)
+    ref = grads_of(lambda x, *w: F.rms_norm(x, shape, *(w or [None]), eps=1e-6), inputs, g)
+    for a, r in zip(got, ref):
+        close(a, r, dtype)
+
+
+def test_gradcheck_float64():
+    x = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        w[2] = 0.0
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, 1, b, 1e-6), (x, w))
+    assert torch.autograd.gradcheck(lambda a: rms_norm(a, 2, None, 1e-6), (x,))
+    up = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(silu_mul, (x, up))
+    assert torch.autograd.gradcheck(silu_mul, (x, up[:1].detach().clone().requires_grad_()))   # broadcast up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_gives_autograd_s_gradients_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    gate, up, g = (torch.randn(64, 48, generator=gen).to(dtype) * 4 for _ in range(3))
+    got = grads_of(silu_mul, [gate, up], g)
+    ref = grads_of(lambda a, b: F.silu(a) * b, [gate, up], g)
+    for a, r in zip(got, ref):
+        assert torch.equal(a, r)
+
+
+def test_the_ops_keep_less_than_autograd():
+    x = torch.randn(32, 64, requires_grad=True)
+    w = nn.Parameter(torch.ones(64))
+    with SavedTensors(exclude=w) as saved:
+        y = rms_norm(x, 1, w, 1e-6)
+        kept = saved.breakdown()
+    assert kept[0] == ("(32, 64) torch.float32", 32 * 64 * 4)      # the output
+    assert sum(n for _, n in kept[1:]) <= 32 * 4 + 16               # 1/rms per row (and empty extras)
+    gate, up = torch.randn(32, 96, requires_grad=True), torch.randn(32, 96, requires_grad=True)
+    with SavedTensors() as saved:
+        out = silu_mul(gate, up)
+        assert saved.bytes == 2 * 32 * 96 * 4                        # gate and up, not silu(gate)
+    with SavedTensors() as saved:
+        ref = F.silu(gate) * up
+        assert saved.bytes == 3 * 32 * 96 * 4
+    del y, out, ref
+
+
+@pytest.mark.parametrize("op", [lambda x: rms_norm(x, 1, None, 1e-6), lambda x: silu_mul(x, x.detach())],
+                         ids=["rms_norm", "silu_mul"])
+def test_a_double_backward_is_an_error_not_a_wrong_gradient(op):
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(op(x).pow(2).sum(), x, create_graph=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# transformers' decoders (module swap)
+
+
+def _decoder(family: str, layers: int = 2) -> nn.Module:
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
+def _step(model: nn.Module, ids: torch.Tensor) -> tuple[float, int, list[torch.Tensor]]:
+    """Loss, bytes kept for backward (activations only), and every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    with SavedTensors(exclude=model) as saved:
+        loss = model(input_ids=ids, labels=ids).loss
+        kept = saved.bytes
+    loss.backward()
+    return loss.item(), kept, [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Mistral"])
+@pytest.mark.parametrize("tensorized", [False, True], ids=["dense", "tensorized"])
+def test_tempo_on_a_decoder_keeps_less_with_the_same_loss_and_gradients(family, tensorized):
+    model = _decoder(family)
+    if tensorized:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = cc.tensorize(model, rank=4)
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    with pytest.warns(UserWarning, match="cannot trace"):
+        out = cc.tempo(model)
+    counts = out.tempo_summary.counts()
+    assert counts == {"rms_norm": 5, "swiglu": 2}, out.tempo_summary    # 2 per layer and the final norm; 1 MLP each
+    assert list(out.state_dict()) == keys
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss_r, kept_r, grads_r = _step(ref, ids)
+    loss_t, kept_t, grads_t = _step(out, ids)
+    assert loss_t == pytest.approx(loss_r, rel=1e-6)
+    for a, b in zip(grads_t, grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # each norm keeps its output (which the projections after it keep anyway) instead of its input and the
+    # normalised input; each MLP no longer keeps silu(gate): 2 activations per norm, 1 intermediate per MLP
+    tokens, f32 = ids.numel(), 4
+    expected = 5 * 2 * tokens * 64 * f32 + 2 * tokens * 176 * f32
+    assert kept_r - kept_t >= 0.95 * expected, (kept_r, kept_t, expected)
+
+
+def test_eval_no_grad_and_16_bit_weights_compute_what_the_modules_compute():
+    model = _decoder("Llama")
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="cannot trace"):
+        cc.tempo(model)
+    layer, ref_layer = model.model.layers[0], ref.model.layers[0]
+    assert type(layer.mlp) is TempoGatedMLP and type(layer.input_layernorm) is TempoUpcastRMSNorm
+    x = torch.randn(2, 8, 64)
+    for mode in ("eval", "no_grad"):
+        model.train(mode != "eval"), ref.train(mode != "eval")
+        with torch.no_grad() if mode == "no_grad" else torch.enable_grad():
+            assert torch.equal(layer.mlp(x), ref_layer.mlp(x))
+            assert torch.equal(layer.input_layernorm(x), ref_layer.input_layernorm(x))
+    model.train(), ref.train()
+    model.bfloat16(), ref.bfloat16()
+    xb = x.bfloat16().requires_grad_()
+    with pytest.warns(TempoDtypeWarning, match="rms_norm got bfloat16"):
+        got = layer.input_layernorm(xb)
+    assert torch.equal(got, ref_layer.input_layernorm(xb))
+    assert torch.equal(layer.mlp(xb), ref_layer.mlp(xb))   # silu_mul at any dtype
+
+
+def test_other_forms_are_left_alone():
+    """Gemma's RMSNorm scales by 1 + weight and Phi3 fuses gate and up: not Llama's forms, so not swapped; a
+    module of the user's own named like one is not either."""
+    class MyRMSNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = nn.Parameter(torch.ones(8)), 1e-6
+
+        def forward(self, x):
+            return self.weight * x / x.abs().mean(-1, keepdim=True)
+
+    gemma = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(8)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0))
+    model = nn.ModuleDict({"gemma": gemma, "mine": MyRMSNorm(), "phi3": phi3})
+    summary = tempo_modules(model).tempo_summary
+    assert all(w.startswith("phi3.") for w in summary.replaced), summary
+    # its RMSNorms (Llama's form) are swapped, its MLP is not
+    assert not any(w.endswith(".mlp") for w in summary.replaced), summary
+    assert type(model["gemma"]) is type(gemma) and type(model["mine"]) is MyRMSNorm
+
+
+def test_the_swapped_model_pickles_and_its_norm_output_is_guarded_against_in_place_writes():
+    model = _decoder("Qwen2", layers=1)
+    with pytest.warns(UserWarning):
+        cc.tempo(model)
+    clone = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (1, 8))
+    assert torch.equal(clone(input_ids=ids).logits, model(input_ids=ids).logits)
+    y = model.model.norm(torch.randn(2, 64, requires_grad=True))
+    y.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The graph pass
+
+
+class _Decoderish(nn.Module):
+    """A decoder block of one's own: nn.RMSNorm, F.rms_norm, nn.SiLU and F.silu gating (up * silu in one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(16)
+        self.w2 = nn.Parameter(torch.rand(16) + 0.5)
+        self.gate, self.up, self.down = nn.Linear(16, 40), nn.Linear(16, 40), nn.Linear(40, 16)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        h = h + self.down(self.act(self.gate(h)) * self.up(h))
+        h2 = F.rms_norm(h, (16,), self.w2, 1e-5)
+        return h + self.down(self.up(h2) * F.silu(self.gate(h2)))
+
+
+def test_the_graph_pass_replaces_rms_norms_and_silu_products_with_the_same_gradients():
+    model = _Decoderish()
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    summary = tempo_graph(gm).summary
+    assert summary.counts() == {"rms_norm": 2, "swiglu": 2}, summary
+    x = torch.randn(4, 16, dtype=torch.float64)
+    g = torch.randn(4, 16, dtype=torch.float64)
+    model.double(), gm.double()
+    got = grads_of(gm, [x], g)
+    ref = grads_of(model, [x], g)
+    for a, r in zip(got, ref):
+        close(a, r, torch.float64)
+    for (n, p), q in zip(gm.named_parameters(), model.parameters()):
+        close(p.grad, q.grad, torch.float64)
+    gm.eval()   # the module's mode is read at run time: eval runs torch's RMSNorm
+    assert any(n.target.__name__ == "module_rms_norm" for n in gm.graph.nodes if n.op == "call_function")
+
+
+class _HandNorm(nn.Module):
+    """RMSNorm written out by hand, in transformers' float32 form or a shorter one (x * x, no cast, no weight,
+    a residual connection reading the input too)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        self.form, self.weight = form, nn.Parameter(torch.rand(16) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "llama":
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * h.to(x.dtype)
+        return x + x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5)   # x also read after
+
+
+@pytest.mark.parametrize("form", ["llama", "short"])
+def test_the_graph_pass_finds_rms_norm_written_out(form):
+    model = _HandNorm(form)
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    assert tempo_graph(gm).summary.counts() == {"rms_norm": 1}
+    x, g = torch.randn(4, 7, 16), torch.randn(4, 7, 16)
+    got, ref = grads_of(gm, [x], g), grads_of(model, [x], g)
+    for a, r in zip(got, ref):
+        close(a, r, torch.float32)
+    if form == "llama":
+        close(gm.weight.grad, model.weight.grad, torch.float32)
+    with SavedTensors(exclude=gm) as saved:   # the output and 1/rms per row, not the input and h * rsqrt
+        y = gm(x.requires_grad_())
+        assert saved.bytes <= x.numel() * 4 + 4 * 7 * 4 + 64
+    del y
+
+
+def test_the_backend_s_memory_option_finds_a_llama_s_norms_and_gating():
+    """options={"memory": True}: the Tempo pass on dynamo's graph of a Llama, whose RMSNorm and MLP are inlined
+    as torch ops: every norm and gating replaced, the loss and gradients of the model run eagerly."""
+    model = _decoder("Llama")
+    ref = copy.deepcopy(model)
+    summaries = []
+    handler = logging.Handler()
+    handler.emit = lambda record: summaries.append(record.getMessage())
+    logger = logging.getLogger("comera_compile.tempo")
+    logger.addHandler(handler), logger.setLevel(logging.INFO)
+    try:
+        compiled = torch.compile(model, backend="comera", options={"memory": True})
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+        loss_r, _, grads_r = _step(ref, ids)
+        loss_t, kept_t, grads_t = _step(compiled, ids)
+        # the bytes of dynamo's graph run as it is (torch 2.11 writes attention out otherwise than eager)
+        _, kept_r, _ = _step(torch.compile(ref, backend="eager"), ids)
+    finally:
+        logger.removeHandler(handler)
+    assert any("replaced 5 rms_norm, 2 swiglu" in s for s in summaries), summaries
+    assert loss_t == pytest.approx(loss_r, rel=1e-6)
+    for a, b in zip(grads_t, grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    expected = 5 * 2 * ids.numel() * 64 * 4 + 2 * ids.numel() * 176 * 4
+    assert kept_r - kept_t >= 0.95 * expected, (kept_r, kept_t, expected)
+
+
+def test_tempo_then_compile_trains_as_eager():
+    """cc.tempo on a Llama, then torch.compile with backend "comera": losses and gradients as the unmodified
+    model's in eager mode."""
+    model = _decoder("Llama")
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning):
+        cc.tempo(model)
+    compiled = torch.compile(model, backend="comera")
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss_r, _, grads_r = _step(ref, ids)
+    model.zero_grad(set_to_none=True)
+    loss = compiled(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert loss.item() == pytest.approx(loss_r, rel=1e-5)
+    for a, b in zip((p.grad for p in model.parameters()), grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
