@@ -8,7 +8,9 @@ training mode, batch 8 x 128 tokens, float32, and the same weights for both.  Fi
 - the largest batch whose step peak fits a fixed activation budget -- eager's own peak at batch 8 -- found by
   measuring each candidate batch (and the same with saved bytes as the budget);
 - median step time (forward, backward, AdamW step), the two variants interleaved (benchmarks.common).
-The full run adds the whole six-encoder model (6 layers, embeddings, head) with tempo(model).
+The full run adds the whole six-encoder model (6 layers, embeddings, head) with tempo(model).  Both runs add
+the 60M Llama of the pretrain command, dense and tensorized, whose RMSNorms and SiLU-gated MLPs tempo swaps
+(bytes saved for backward, step peak, step time).
 """
 
 from __future__ import annotations
@@ -107,39 +109,78 @@ def _layer_rows(quick: bool, batch: int, seq: int) -> list[dict]:
     }]
 
 
+def _pair_row(name: str, eager: nn.Module, temp: nn.Module, call: Callable[[nn.Module], torch.Tensor],
+              repeat: int, peaks: bool = False) -> dict:
+    """Saved bytes, optionally the step peak, and interleaved step times (fwd, bwd, AdamW) of a model before and
+    after tempo, each called as call(model) (a scalar to differentiate)."""
+    pair = (("eager", eager), ("tempo", temp))
+    saved = {n: saved_bytes(call, m, exclude=m) for n, m in pair}
+    timed = {}
+    for n, m in pair:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+        def train_step(m=m, opt=opt) -> None:
+            call(m).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        timed[n] = train_step
+    times = compare(timed, warmup=1, repeat=repeat)
+    ms = {n: t.median * 1e3 for n, t in times.items()}
+    row = {
+        "benchmark": name, "replaced": temp.tempo_summary.counts(),
+        "saved_eager_mib": saved["eager"] / MIB, "saved_tempo_mib": saved["tempo"] / MIB,
+        "saved_drop_pct": 100.0 * (1.0 - saved["tempo"] / saved["eager"]),
+        "step_eager_ms": ms["eager"], "step_tempo_ms": ms["tempo"], "step_ratio": ms["tempo"] / ms["eager"],
+    }
+    if peaks:
+        p = {n: peak_bytes(lambda m=m: (call(m).backward(), m.zero_grad(set_to_none=True))) for n, m in pair}
+        row.update(peak_eager_mib=p["eager"] / MIB, peak_tempo_mib=p["tempo"] / MIB)
+    return row
+
+
 def _model_rows(batch: int, seq: int) -> list[dict]:
     torch.manual_seed(0)
     eager = six_encoder.build()
     temp = tempo(copy.deepcopy(eager))
     ids, seg, mask = six_encoder.example_inputs(eager, batch=batch, seq=seq)
-    saved = {name: saved_bytes(m, ids, seg, mask, exclude=m) for name, m in (("eager", eager), ("tempo", temp))}
-    timed = {}
-    for name, m in (("eager", eager), ("tempo", temp)):
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+    return [_pair_row(f"six_encoder_model_b{batch}x{seq}", eager, temp, lambda m: m(ids, seg, mask).sum(), 7)]
 
-        def train_step(m=m, opt=opt) -> None:
-            m(ids, seg, mask).sum().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
 
-        timed[name] = train_step
-    times = compare(timed, warmup=1, repeat=7)
-    ms = {name: t.median * 1e3 for name, t in times.items()}
-    return [{
-        "benchmark": f"six_encoder_model_b{batch}x{seq}", "replaced": temp.tempo_summary.counts(),
-        "saved_eager_mib": saved["eager"] / MIB, "saved_tempo_mib": saved["tempo"] / MIB,
-        "saved_drop_pct": 100.0 * (1.0 - saved["tempo"] / saved["eager"]),
-        "step_eager_ms": ms["eager"], "step_tempo_ms": ms["tempo"], "step_ratio": ms["tempo"] / ms["eager"],
-    }]
+def _llama_rows(quick: bool) -> list[dict]:
+    """The 60M Llama of the pretrain command (8 layers; 2 when quick), dense and tensorized at its preset's
+    rank, at batch 8 x 256 (2 x 128 when quick), vocabulary 4096: tempo swaps its RMSNorms and SwiGLU MLPs."""
+    import dataclasses
+    import warnings
+
+    from comera_compile.examples.lm_config import PRESETS, SHAPES
+    from comera_compile.examples.lm_train import build_model
+    from comera_compile.passes.module.tensorize import tensorize
+
+    shape = SHAPES["60m"] if not quick else dataclasses.replace(SHAPES["60m"], layers=2)
+    batch, seq = (2, 128) if quick else (8, 256)
+    ids = torch.randint(0, 4096, (batch, seq), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for kind in ("dense", "tensorized"):
+        eager = build_model(shape, 4096, seed=0)
+        with warnings.catch_warnings():   # torch.fx cannot trace transformers' models: tempo's module swap
+            warnings.simplefilter("ignore")
+            if kind == "tensorized":
+                eager = tensorize(eager, rank=PRESETS["60m"]["rank"])
+            temp = tempo(copy.deepcopy(eager))
+        rows.append(_pair_row(f"llama_60m_{shape.layers}l_{kind}_b{batch}x{seq}", eager, temp,
+                              lambda m: m(input_ids=ids, labels=ids).loss, 3 if quick else 7, peaks=True))
+    return rows
 
 
 def run(quick: bool = False, batch: int = 8, seq: int = 128) -> list[dict]:
-    """Rows of figures: the BERT-base layer (memory, largest batch in budget, step time); without quick,
-    also the six-encoder model (saved bytes, step time).  quick measures the layer at half the batch."""
+    """Rows of figures: the BERT-base layer (memory, largest batch in budget, step time), and the 60M Llama
+    dense and tensorized (memory, step time); without quick, also the six-encoder model (saved bytes, step
+    time).  quick measures the layer at half the batch, the Llama at 2 layers and batch 2 x 128."""
     rows = _layer_rows(quick, max(1, batch // 2) if quick else batch, seq)
     if not quick:
         rows += _model_rows(batch, seq)
-    return rows
+    return rows + _llama_rows(quick)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -152,6 +193,7 @@ def format_rows(rows: list[dict]) -> str:
         if "peak_eager_mib" in r:
             lines.append(f"  step peak (fwd+bwd): eager {r['peak_eager_mib']:.1f} MiB, tempo "
                          f"{r['peak_tempo_mib']:.1f} MiB")
+        if "max_batch_eager" in r:
             lines.append(f"  largest batch with step peak <= {r['budget_mib']:.1f} MiB (eager's at the base batch): "
                          f"eager {r['max_batch_eager']}, tempo {r['max_batch_tempo']} "
                          f"({r['batch_gain']:.2f}x)")
