@@ -152,6 +152,29 @@ def test_tempo_on_a_decoder_keeps_less_with_the_same_loss_and_gradients(family, 
     assert kept_r - kept_t >= 0.95 * expected, (kept_r, kept_t, expected)
 
 
+def test_gpt2_s_python_gelu_becomes_torch_s_tempo_gelu():
+    """GPT-2 writes the tanh GELU out in Python (NewGELUActivation: four FFN-sized tensors kept for backward);
+    tempo swaps it for the Tempo GELU (its output, which c_proj keeps anyway, and a bit per element), besides
+    the LayerNorms and dropouts.  The same function, so the loss matches to float rounding."""
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)   # no draws
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="cannot trace"):
+        cc.tempo(model)
+    assert model.tempo_summary.counts()["gelu"] == 2
+    assert "NewGELUActivation" in model.tempo_summary.replaced["transformer.h.0.mlp.act"]
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    loss_r, kept_r, grads_r = _step(ref, ids)
+    loss_t, kept_t, grads_t = _step(model, ids)
+    assert loss_t == pytest.approx(loss_r, rel=1e-5)
+    for a, b in zip(grads_t, grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    ffn = ids.numel() * 4 * 64 * 4   # bytes of one FFN-sized float32 tensor
+    assert kept_r - kept_t >= 2 * 3.9 * ffn, (kept_r, kept_t, ffn)
+
+
 def test_eval_no_grad_and_16_bit_weights_compute_what_the_modules_compute():
     model = _decoder("Llama")
     ref = copy.deepcopy(model)

@@ -33,14 +33,30 @@ KINDS = ("gelu", "layer_norm", "dropout", "rms_norm", "swiglu")   # what the mod
 # Module swap (models torch.fx cannot trace)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_tanh_gelu(cls: type) -> bool:
+    """Whether a fresh cls() computes F.gelu(approximate="tanh") in float64 (to 1e-12 on [-10, 10]): the
+    transformers activations that write the tanh GELU out in Python (GPT-2's NewGELUActivation)."""
+    try:
+        with torch.no_grad():
+            x = torch.linspace(-10, 10, 2001, dtype=torch.float64)
+            return bool((cls()(x) - F.gelu(x, approximate="tanh")).abs().max() < 1e-12)
+    except Exception:   # a constructor that takes arguments, or any other failure: not recognised
+        return False
+
+
 def _hf_gelu_form(mod: nn.Module) -> str | None:
-    """The GELU form of transformers' GELUActivation / GELUTanh modules when they call F.gelu, else None."""
+    """The GELU form of transformers' GELUActivation / GELUTanh modules when they call F.gelu, and of
+    NewGELUActivation (the tanh form written out, checked to compute it), else None."""
     name = type(mod).__name__
     act = getattr(mod, "act", None)
     if name == "GELUActivation" and act is F.gelu:
         return "none"
     if name in ("GELUTanh", "PytorchGELUTanh") and getattr(act, "func", None) is F.gelu and \
             getattr(act, "keywords", {}) == {"approximate": "tanh"}:
+        return "tanh"
+    if name == "NewGELUActivation" and type(mod).__module__ == "transformers.activations" and \
+            _is_tanh_gelu(type(mod)):
         return "tanh"
     return None
 
@@ -105,7 +121,10 @@ def _swap_for(mod: nn.Module, kinds: dict[str, bool]) -> tuple[nn.Module, str] |
         return TempoGELU(mod.approximate), f"gelu ({mod.approximate} form): output and branch bits kept"
     if gelu and _hf_gelu_form(mod) is not None:
         form = _hf_gelu_form(mod)
-        return TempoGELU(form), f"gelu ({form} form, from {type(mod).__name__}): output and branch bits kept"
+        name = type(mod).__name__
+        if name == "NewGELUActivation":
+            name += ", now torch's op: equal to its formula within rounding"
+        return TempoGELU(form), f"gelu ({form} form, from {name}): output and branch bits kept"
     if layer_norm and type(mod) is nn.LayerNorm:
         new = TempoLayerNorm(mod.normalized_shape, mod.eps, mod.elementwise_affine, bias=mod.bias is not None,
                              device="meta")
