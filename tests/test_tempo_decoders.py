@@ -197,6 +197,23 @@ def test_eval_no_grad_and_16_bit_weights_compute_what_the_modules_compute():
     assert torch.equal(layer.mlp(xb), ref_layer.mlp(xb))   # silu_mul at any dtype
 
 
+def test_under_bf16_autocast_the_loss_is_the_same_and_less_is_kept():
+    """CPU bf16 autocast: the residual stream stays float32, so the norms run the Tempo op; the gating runs at
+    the projections' bfloat16.  The loss is the unmodified model's, bit for bit."""
+    model = _decoder("Llama")
+    ref = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="cannot trace"):
+        cc.tempo(model)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_r, kept_r, grads_r = _step(ref, ids)
+        loss_t, kept_t, grads_t = _step(model, ids)
+    assert loss_t == loss_r
+    for a, b in zip(grads_t, grads_r):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert kept_t < 0.9 * kept_r, (kept_t, kept_r)
+
+
 def test_other_forms_are_left_alone():
     """Gemma's RMSNorm scales by 1 + weight and Phi3 fuses gate and up: not Llama's forms, so not swapped; a
     module of the user's own named like one is not either."""
