@@ -124,7 +124,7 @@ def _step(model: nn.Module, ids: torch.Tensor) -> tuple[float, int, list[torch.T
     return loss.item(), kept, [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Mistral"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen2", "Mistral", "Qwen3"])
 @pytest.mark.parametrize("tensorized", [False, True], ids=["dense", "tensorized"])
 def test_tempo_on_a_decoder_keeps_less_with_the_same_loss_and_gradients(family, tensorized):
     model = _decoder(family)
@@ -137,7 +137,8 @@ def test_tempo_on_a_decoder_keeps_less_with_the_same_loss_and_gradients(family, 
     with pytest.warns(UserWarning, match="cannot trace"):
         out = cc.tempo(model)
     counts = out.tempo_summary.counts()
-    assert counts == {"rms_norm": 5, "swiglu": 2}, out.tempo_summary    # 2 per layer and the final norm; 1 MLP each
+    qk = 2 * 2 if family == "Qwen3" else 0   # Qwen3 normalises each head's queries and keys too
+    assert counts == {"rms_norm": 5 + qk, "swiglu": 2}, out.tempo_summary   # 2 per layer, the final norm; MLPs
     assert list(out.state_dict()) == keys
     ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     loss_r, kept_r, grads_r = _step(ref, ids)
@@ -146,9 +147,12 @@ def test_tempo_on_a_decoder_keeps_less_with_the_same_loss_and_gradients(family, 
     for a, b in zip(grads_t, grads_r):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     # each norm keeps its output (which the projections after it keep anyway) instead of its input and the
-    # normalised input; each MLP no longer keeps silu(gate): 2 activations per norm, 1 intermediate per MLP
+    # normalised input; each MLP no longer keeps silu(gate): 2 activations per norm, 1 intermediate per MLP.
+    # Qwen3's query and key norms (4 and 2 heads): their output is kept by nothing else, so 1 activation each
     tokens, f32 = ids.numel(), 4
     expected = 5 * 2 * tokens * 64 * f32 + 2 * tokens * 176 * f32
+    if qk:
+        expected += 2 * tokens * (4 + 2) * ref.config.head_dim * f32
     assert kept_r - kept_t >= 0.95 * expected, (kept_r, kept_t, expected)
 
 
