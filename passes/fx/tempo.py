@@ -180,17 +180,17 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
                 layer_norm: bool = True, attention: bool = True, dropout: bool = True, rms_norm: bool = True,
                 swiglu: bool = True) -> GraphPassResult:
     """Replace GELU, LayerNorm, RMSNorm, silu(gate) * up, dropout and softmax -> dropout -> matmul in `gm` by
-    their Tempo versions,
-    in place; the result's summary (also ``gm.tempo_summary``, and logged) is a TempoSummary.  example_inputs is
-    accepted, as by every fx pass, and not needed.
+    their Tempo versions, in place; the result's summary (also ``gm.tempo_summary``, and logged) is a
+    TempoSummary.  example_inputs is accepted, as by every fx pass, and not needed.
 
     Recognised: nn.GELU / F.gelu (both forms), nn.LayerNorm / F.layer_norm (any affine setting), nn.RMSNorm /
-    F.rms_norm, F.silu / nn.SiLU multiplied by another tensor (SwiGLU's gating), nn.Dropout
-    / F.dropout, torch.softmax / F.softmax / .softmax over the last dim feeding a dropout feeding the left
-    side of a matmul (@, torch.matmul, .matmul), and GELU feeding a dropout (fused).  Modules keep their
-    parameters and their train/eval switch: the new nodes read them from the module at run time (in eval,
-    torch's ops run), and the model's own modules are not changed.  Functional calls have no mode: they run
-    the Tempo op whenever a gradient is needed.  Nodes it does not recognise are left exactly as they were."""
+    F.rms_norm / the float32 RMSNorm transformers' decoders write out (passes.fx.tempo_decoder), F.silu /
+    nn.SiLU multiplied by another tensor (SwiGLU's gating), nn.Dropout / F.dropout, torch.softmax / F.softmax /
+    .softmax over the last dim feeding a dropout feeding the left side of a matmul (@, torch.matmul, .matmul),
+    and GELU feeding a dropout (fused).  Modules keep their parameters and their train/eval switch: the new
+    nodes read them from the module at run time (in eval, torch's ops run), and the model's own modules are not
+    changed.  Functional calls have no mode: they run the Tempo op whenever a gradient is needed.  Nodes it
+    does not recognise are left exactly as they were."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise TypeError(f"tempo_graph takes a torch.fx.GraphModule, got {type(gm).__name__}; get one from "
                         f"comera_compile.tensorize(model) or torch.fx.symbolic_trace(model), or use "
