@@ -241,6 +241,21 @@ def test_other_forms_are_left_alone():
     assert type(model["gemma"]) is type(gemma) and type(model["mine"]) is MyRMSNorm
 
 
+def test_a_module_with_hooks_is_left_as_is_and_listed():
+    """A hook on an MLP or norm (a user's activation capture, accelerate's patched forward) would be dropped with
+    the module: such a module stays, named in the summary's kept."""
+    model = _decoder("Llama", layers=1)
+    seen = []
+    model.model.layers[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.model.norm.forward = model.model.norm.forward   # an instance-level forward, as accelerate sets
+    with pytest.warns(UserWarning, match="cannot trace"):
+        summary = cc.tempo(model).tempo_summary
+    assert "model.layers.0.mlp" in summary.kept and "model.norm" in summary.kept, summary
+    assert summary.counts() == {"rms_norm": 2}
+    model(input_ids=torch.randint(0, 128, (1, 8)))
+    assert seen == [torch.Size([1, 8, 64])]
+
+
 def test_the_swapped_model_pickles_and_its_norm_output_is_guarded_against_in_place_writes():
     model = _decoder("Qwen2", layers=1)
     with pytest.warns(UserWarning):
