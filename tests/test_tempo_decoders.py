@@ -308,6 +308,19 @@ def test_the_graph_pass_replaces_rms_norms_and_silu_products_with_the_same_gradi
     assert any(n.target.__name__ == "module_rms_norm" for n in gm.graph.nodes if n.op == "call_function")
 
 
+def test_the_graph_pass_keeps_the_call_of_a_hooked_module():
+    model = _Decoderish()
+    seen = []
+    model.norm.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.act.register_forward_pre_hook(lambda m, i: seen.append("act"))
+    gm = torch.fx.symbolic_trace(model)
+    summary = tempo_graph(gm).summary
+    assert summary.counts() == {"rms_norm": 1, "swiglu": 1}, summary   # the functional norm and gating
+    assert {"norm (norm)", "act (act)"} <= set(summary.kept), summary
+    gm(torch.randn(3, 16))
+    assert seen == [torch.Size([3, 16]), "act"]   # both hooks ran, in the forward's order
+
+
 class _HandNorm(nn.Module):
     """RMSNorm written out by hand, in transformers' float32 form or a shorter one (x * x, no cast, no weight,
     a residual connection reading the input too)."""

@@ -24,7 +24,7 @@ from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.tempo_modules import (module_attention, module_dropout, module_gelu,
                                               module_gelu_dropout, module_layer_norm, tempo_dropout)
 from comera_compile.passes import GraphPassResult, calls_in_place, node_shape
-from comera_compile.passes.fx.nodes import arg, called_module, first_input, single_user
+from comera_compile.passes.fx.nodes import arg, called_module, first_input, hooked, single_user
 from comera_compile.passes.fx.tempo_decoder import decoder_site
 
 __all__ = ["TempoSummary", "tempo_graph"]
@@ -71,6 +71,7 @@ _LAYER_NORM_FNS = {F.layer_norm, torch.layer_norm}
 _DROPOUT_FNS = {F.dropout, torch.dropout}
 _SOFTMAX_FNS = {torch.softmax, F.softmax}
 _MATMUL_FNS = {operator.matmul, torch.matmul}
+_PASS_MODULES = (nn.GELU, nn.LayerNorm, nn.Dropout, nn.RMSNorm, nn.SiLU)   # call_module sites the pass replaces
 # The functional versions under other names: tempo_graph's keyword flags reuse the public names.
 _gelu_fn, _layer_norm_fn, _dropout_fn = gelu, layer_norm, tempo_dropout
 
@@ -247,6 +248,10 @@ def tempo_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[object] | Non
 
     for node in list(graph.nodes):
         if node not in graph.nodes or node in done:
+            continue
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), _PASS_MODULES) and \
+                hooked(gm.get_submodule(node.target)):
+            summary.kept[_where(node)] = "module with hooks or a forward set on it (its call stays, to run them)"
             continue
         form = _gelu_form(gm, node) if gelu else None
         if form is not None and _written_in_place(gm, node):

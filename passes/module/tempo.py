@@ -21,6 +21,7 @@ from torch import nn
 from comera_compile.layers import TTLayer
 from comera_compile.ops.tempo_modules import (TEMPO_MODULES, TempoDropout, TempoGatedMLP, TempoGELU,
                                               TempoGELUDropout, TempoLayerNorm, TempoRMSNorm, TempoUpcastRMSNorm)
+from comera_compile.passes.fx.nodes import hooked
 from comera_compile.passes.fx.tempo import TempoSummary, logger, tempo_graph
 from comera_compile.passes.module.trace import trace_model
 
@@ -185,7 +186,7 @@ def _swap_tree(root: nn.Module, prefix: str, summary: TempoSummary, swaps: dict[
                 if isinstance(mod, nn.Dropout) and type(mod) is nn.Dropout and mod.inplace:
                     summary.kept[full] = "in-place dropout (its input is overwritten; left as is)"
                 continue
-            if _hooked(mod):
+            if hooked(mod):
                 summary.kept[full] = (f"{type(mod).__name__} with hooks or a forward of its own set on it (a swap "
                                       f"would drop them; left as is)")
                 continue
@@ -196,15 +197,6 @@ def _swap_tree(root: nn.Module, prefix: str, summary: TempoSummary, swaps: dict[
         parent_name, _, attr = name.rpartition(".")
         setattr(root.get_submodule(parent_name) if parent_name else root, attr, new)
         summary.replaced[full] = what + inside
-
-
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-def _hooked(mod: nn.Module) -> bool:
-    """Whether mod has hooks of its own or an instance-level forward (accelerate's device hooks patch it):
-    a new module in its place would run without them."""
-    return "forward" in vars(mod) or any(getattr(mod, h, None) for h in _HOOKS)
 
 
 def _warn_unreachable(summary: TempoSummary, model: nn.Module) -> None:
