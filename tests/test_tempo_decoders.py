@@ -377,9 +377,11 @@ def test_the_backend_s_memory_option_finds_a_llama_s_norms_and_gating():
     assert kept_r - kept_t >= 0.95 * expected, (kept_r, kept_t, expected)
 
 
-def test_tempo_then_compile_trains_as_eager():
-    """cc.tempo on a Llama, then torch.compile with backend "comera": losses and gradients as the unmodified
-    model's in eager mode."""
+def test_tempo_then_compile_trains_as_eager(fresh_dynamo):
+    """cc.tempo on a Llama, then torch.compile with backend "comera": one graph (the ops run torch's ops under
+    torch.compile, buffers.traced), losses and gradients as the unmodified model's in eager mode."""
+    from torch._dynamo.utils import counters
+
     model = _decoder("Llama")
     ref = copy.deepcopy(model)
     with pytest.warns(UserWarning):
@@ -387,3 +389,4 @@ def test_tempo_then_compile_trains_as_eager():
     compiled = torch.compile(model, backend="comera")
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     _same_step(ref, compiled, ids, loss_rel=1e-5, rtol=1e-3, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from comera_compile.ops.bit_dropout import check_p, dropout, dropout_into
 from comera_compile.ops.bits import unpack
-from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, autocast_dtype, dtype_fallback, exporting,
-                                         first_order, plain_ops)
+from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, autocast_dtype, dtype_fallback,
+                                         first_order, plain_ops, traced)
 
 __all__ = ["softmax_dropout_matmul"]
 
@@ -80,7 +80,7 @@ def softmax_dropout_matmul(scores: torch.Tensor, v: torch.Tensor, p: float = 0.1
         wanted = False
     if not wanted:
         probs = torch.softmax(scores, dim=dim)
-        dropped = F.dropout(probs, p, training) if exporting() else dropout(probs, p, training, generator=generator)
+        dropped = F.dropout(probs, p, training) if traced() else dropout(probs, p, training, generator=generator)
         return torch.matmul(dropped, v)
     if autocast:   # the dtypes autocast would run the softmax and the matmul at
         soft, low = autocast_dtype("softmax", scores), torch.get_autocast_dtype(kind)

@@ -15,8 +15,8 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["FLOATS", "HALF_FLOATS", "TempoDtypeWarning", "dtype_fallback", "exporting", "plain_ops", "autocast_dtype",
-           "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
+__all__ = ["FLOATS", "HALF_FLOATS", "TempoDtypeWarning", "dtype_fallback", "exporting", "traced", "plain_ops",
+           "autocast_dtype", "Scratch", "chunks", "forward_chunk", "take_grad", "boxing_supported", "may_box",
            "new_buffer_backward", "boxed_variant", "first_order"]
 
 
@@ -55,11 +55,18 @@ def exporting() -> bool:
     return torch.compiler.is_exporting() if flag is None else bool(flag)
 
 
+def traced() -> bool:
+    """Whether torch.export or torch.compile is tracing, where the Tempo ops run torch's own ops.  An exported
+    program has no use for the saved-tensor tricks.  Under torch.compile, Inductor's partitioner and the
+    backend's passes choose what the backward keeps (less than the Tempo ops keep eagerly: docs/method.md
+    section 5), and the ops' data-dependent shapes and random draws would break the graph."""
+    return exporting() or torch.compiler.is_compiling()
+
+
 def plain_ops(*tensors: torch.Tensor | None) -> bool:
     """Whether a Tempo op should run torch's own ops: nothing needs a gradient (no_grad, or no input requires
-    one), or torch.export is tracing (an exported program has no use for the saved-tensor tricks, and their
-    data-dependent shapes cannot be exported)."""
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or exporting()
+    one), or torch.export or torch.compile is tracing (traced)."""
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)) or traced()
 
 
 _AUTOCAST_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"softmax": lambda t: torch.softmax(t, -1)}

@@ -12,9 +12,9 @@ followed by dropout is fused: it keeps the dropout output (what the next layer k
 mask as bits and the branch bits.  float32 and float64 take these paths; bfloat16 and float16 GELU then
 dropout keeps the input, as GELU does, and the mask as bits (inverting GELU from a 16-bit output would not
 give torch's gradient to 16-bit precision); GELU alone at other dtypes runs torch's op (with a warning,
-once).  No-grad, eval (training=False, or a module in eval) and torch.export run the original ops.  A form's
-tables are built once, eagerly, when a Tempo pass swaps a GELU in (prepare_tables), else on first use; never
-inside a torch.compile trace.
+once).  No-grad, eval (training=False, or a module in eval), torch.export and torch.compile run the original
+ops.  A form's tables are built once, eagerly, when a Tempo pass swaps a GELU in (prepare_tables), else on
+first use; never inside a torch.compile trace.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import torch.nn.functional as F
 from comera_compile.ops.bit_dropout import check_p, dropout_backward_into, dropout_into
 from comera_compile.ops.bits import bit_slice, pack_into
 from comera_compile.ops.buffers import (FLOATS, HALF_FLOATS, Scratch, boxed_variant, chunks, dtype_fallback,
-                                         exporting, forward_chunk, may_box, new_buffer_backward,
-                                         plain_ops)
+                                         forward_chunk, may_box, new_buffer_backward, plain_ops, traced)
 
 __all__ = ["gelu", "gelu_dropout", "prepare_tables"]
 
@@ -319,7 +318,8 @@ _GeluBoxed = boxed_variant(_Gelu, _Gelu._backward)
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """F.gelu that keeps its output (plus a bit per element) for backward instead of its input; torch's op
-    where no gradient is needed, under torch.export, and for dtypes other than float32 / float64 (warned)."""
+    where no gradient is needed, under torch.export and torch.compile, and for dtypes other than float32 /
+    float64 (warned)."""
     _check_form(approximate)
     if plain_ops(x):
         return F.gelu(x, approximate=approximate)
@@ -341,7 +341,7 @@ def gelu_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True, approxi
         return F.gelu(x, approximate=approximate)
     if p == 0.0:
         return gelu(x, approximate)
-    if p == 1.0 or exporting() or x.dtype not in FLOATS + HALF_FLOATS:
+    if p == 1.0 or traced() or x.dtype not in FLOATS + HALF_FLOATS:
         if x.is_floating_point() and x.dtype not in FLOATS + HALF_FLOATS and not plain_ops(x):
             dtype_fallback("gelu+dropout", x.dtype, "it takes float32, float64, bfloat16 and float16")
         return F.dropout(F.gelu(x, approximate=approximate), p, training)

@@ -3,7 +3,8 @@
 Backward rebuilds the normalised input from the output, (y - bias) / weight.  Features whose weight is 0 or
 small next to the bias (|bias| > 8 |weight|, where that division would lose digits) keep their normalised
 input column instead.  float32 and float64 only: other dtypes, and inputs whose dtypes differ (autocast hands
-a bfloat16 input with float32 weights), run torch's op with a warning (once); no-grad and torch.export do too.
+a bfloat16 input with float32 weights), run torch's op with a warning (once); no-grad, torch.export and
+torch.compile do too.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | tuple[int, ...] | torch.
                weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5) -> torch.Tensor:
     """F.layer_norm that keeps its output and per-row 1/std for backward instead of its input (torch's op
-    where no gradient is needed, under torch.export, and at other dtypes: see the module docstring)."""
+    where no gradient is needed, under torch.export and torch.compile, and at other dtypes: see the module
+    docstring)."""
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if plain_ops(x, weight, bias):
         return F.layer_norm(x, shape, weight, bias, eps)

@@ -6,7 +6,7 @@ SiLU.  Under autograd an RMSNorm keeps its input and the normalised input (two a
 projections after it keep its output anyway; ``rms_norm`` keeps only that output (shared with them) and
 rebuilds the normalised input as output / weight.  Features whose weight is 0, not finite or too small to
 divide by keep their normalised column instead.  float32 and float64 only: other dtypes, mixed dtypes and
-no-grad or torch.export calls run torch's ops (the first two with a warning, once).
+no-grad, torch.export or torch.compile calls run torch's ops (the first two with a warning, once).
 
 ``silu_mul`` keeps gate and up and recomputes silu(gate) in the backward (one elementwise op): the same
 operations as autograd's backward of ``F.silu(gate) * up``, so the same gradients bit for bit, at any dtype.
@@ -76,8 +76,8 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, dims: int = 1, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """rms_norm_reference(x, dims, weight, eps) that keeps its output and per-row 1/rms for backward instead
-    of its input (torch's ops where no gradient is needed, under torch.export, and at other dtypes: see the
-    module docstring)."""
+    of its input (torch's ops where no gradient is needed, under torch.export and torch.compile, and at other
+    dtypes: see the module docstring)."""
     if plain_ops(x, weight):
         return rms_norm_reference(x, dims, weight, eps)
     dtypes = {t.dtype for t in (x, weight) if t is not None}
@@ -141,7 +141,7 @@ def _reduce_to(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """F.silu(gate) * up keeping gate and up for backward, not silu's output besides (torch's ops where no
-    gradient is needed and under torch.export)."""
+    gradient is needed and under torch.export and torch.compile)."""
     if plain_ops(gate, up):
         return F.silu(gate) * up
     return _SiluMul.apply(gate, up)

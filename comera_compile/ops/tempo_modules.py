@@ -1,6 +1,6 @@
 """nn.Module faces of the Tempo ops, and the adapters graph nodes call to read a module's p and
-train/eval flag at run time.  A module in eval mode runs torch's own op, as the ops do under no_grad and
-torch.export: the saving is for a backward pass, and eval has none to train."""
+train/eval flag at run time.  A module in eval mode runs torch's own op, as the ops do under no_grad,
+torch.export and torch.compile: the saving is for an eager backward pass, and eval has none to train."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from comera_compile.ops.attention import softmax_dropout_matmul
 from comera_compile.ops.bit_dropout import dropout
-from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, exporting, plain_ops
+from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, plain_ops, traced
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
 from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, silu_mul, upcast_rms_norm
@@ -23,9 +23,9 @@ __all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "T
 
 
 def tempo_dropout(x: torch.Tensor, p: float = 0.5, training: bool = True) -> torch.Tensor:
-    """bit_dropout.dropout (the mask as bits), or torch's F.dropout under torch.export (whose mask draw reads a
-    seed out of a tensor) and, with a warning (once), at dtypes other than float32, float64, bfloat16, float16."""
-    if exporting():
+    """bit_dropout.dropout (the mask as bits), or torch's F.dropout under torch.export and torch.compile
+    (buffers.traced) and, with a warning (once), at dtypes other than float32, float64, bfloat16, float16."""
+    if traced():
         return F.dropout(x, p, training)
     if training and 0.0 < p < 1.0 and x.dtype not in FLOATS + HALF_FLOATS and x.is_floating_point() \
             and not plain_ops(x):
