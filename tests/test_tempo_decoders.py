@@ -337,20 +337,22 @@ class _HandNorm(nn.Module):
         return x + x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5)   # x also read after
 
 
-@pytest.mark.parametrize("form", ["llama", "short"])
-def test_the_graph_pass_finds_rms_norm_written_out(form):
-    model = _HandNorm(form)
+@pytest.mark.parametrize("form,dtype", [("llama", torch.float32), ("short", torch.float32),
+                                        ("short", torch.float64)])
+def test_the_graph_pass_finds_rms_norm_written_out(form, dtype):
+    """Replaced at the dtype the code computes at: float64 code written without a cast stays float64."""
+    model = _HandNorm(form).to(dtype)
     gm = torch.fx.symbolic_trace(copy.deepcopy(model))
     assert tempo_graph(gm).summary.counts() == {"rms_norm": 1}
-    x, g = torch.randn(4, 7, 16), torch.randn(4, 7, 16)
+    x, g = torch.randn(4, 7, 16, dtype=dtype), torch.randn(4, 7, 16, dtype=dtype)
     got, ref = grads_of(gm, [x], g), grads_of(model, [x], g)
     for a, r in zip(got, ref):
-        close(a, r, torch.float32)
+        close(a, r, dtype)
     if form == "llama":
-        close(gm.weight.grad, model.weight.grad, torch.float32)
+        close(gm.weight.grad, model.weight.grad, dtype)
     with SavedTensors(exclude=gm) as saved:   # the output and 1/rms per row, not the input and h * rsqrt
         y = gm(x.requires_grad_())
-        assert saved.bytes <= x.numel() * 4 + 4 * 7 * 4 + 64
+        assert saved.bytes <= (x.numel() + 4 * 7) * dtype.itemsize + 64
     del y
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from comera_compile.ops.buffers import FLOATS, dtype_fallback, first_order, plain_ops
 
-__all__ = ["rms_norm", "rms_norm_reference", "upcast_rms_norm", "silu_mul"]
+__all__ = ["rms_norm", "rms_norm_reference", "scaled_rms_norm", "silu_mul"]
 
 # |weight| below this (or 0, or not finite): the normalised input is kept for that feature, not rebuilt
 _TINY_WEIGHT = 1e-20
@@ -93,21 +93,22 @@ def rms_norm(x: torch.Tensor, dims: int = 1, weight: torch.Tensor | None = None,
     return _RMSNorm.apply(x, dims, weight, eps)
 
 
-def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+def scaled_rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
-    """transformers' decoder RMSNorm (Llama's form): x normalised over its last dim in float32, cast to dtype
-    (x's own when None), times weight.  rms_norm where that is all float32 and the weight is one per feature;
-    torch's ops otherwise (with a warning, once, where a gradient is needed)."""
-    dtype = x.dtype if dtype is None else dtype
-    if x.dtype == dtype == torch.float32 and (weight is None or (
-            weight.dtype == torch.float32 and tuple(weight.shape) == (x.shape[-1],))):
-        return rms_norm(x, 1, weight, eps)
-    if x.is_floating_point() and not plain_ops(x, weight):
-        got = sorted({str(t.dtype).replace("torch.", "") for t in (x, weight) if t is not None} | {
-            str(dtype).replace("torch.", "")})
-        dtype_fallback("rms_norm", x.dtype, f"this RMSNorm computes in float32; it takes float32 input, output and "
-                                            f"weight, one weight per feature; got {', '.join(got)}")
-    y = rms_norm_reference(x.to(torch.float32), 1, None, eps).to(dtype)
+    """weight * (h normalised over its last dim, at h's dtype, then cast to dtype): RMSNorm as transformers'
+    decoders write it out (h is their float32 copy of the input, dtype the input's).  rms_norm where h, the
+    cast and the weight share a float32 or float64 dtype and the weight is one per feature; torch's ops
+    otherwise (with a warning, once, where a gradient is needed)."""
+    if h.dtype in FLOATS and dtype in (None, h.dtype) and (weight is None or (
+            weight.dtype == h.dtype and tuple(weight.shape) == (h.shape[-1],))):
+        return rms_norm(h, 1, weight, eps)
+    if h.is_floating_point() and not plain_ops(h, weight):
+        got = sorted({str(t.dtype).replace("torch.", "") for t in (h, weight) if t is not None} |
+                     {str(dtype or h.dtype).replace("torch.", "")})
+        dtype_fallback("rms_norm", dtype or h.dtype, f"it takes float32 or float64 input, output and weight of one dtype, "
+                                                       f"one weight per feature; got {', '.join(got)}")
+    y = rms_norm_reference(h, 1, None, eps)
+    y = y if dtype is None else y.to(dtype)
     return y if weight is None else weight * y
 
 

@@ -14,7 +14,7 @@ from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, plain_ops, traced
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
-from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, silu_mul, upcast_rms_norm
+from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, scaled_rms_norm, silu_mul
 
 __all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TempoRMSNorm", "TempoUpcastRMSNorm",
            "TempoGatedMLP", "TEMPO_MODULES", "tempo_dropout",
@@ -100,7 +100,7 @@ class TempoUpcastRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            return upcast_rms_norm(x, self.weight, self.variance_epsilon)
+            return scaled_rms_norm(x.to(torch.float32), self.weight, self.variance_epsilon, x.dtype)
         return self.weight * rms_norm_reference(x.to(torch.float32), 1, None, self.variance_epsilon).to(x.dtype)
 
     def extra_repr(self) -> str:

@@ -16,7 +16,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.ops.rms_norm import rms_norm, silu_mul, upcast_rms_norm
+from comera_compile.ops.rms_norm import rms_norm, scaled_rms_norm, silu_mul
 from comera_compile.ops.tempo_modules import module_rms_norm
 from comera_compile.passes.fx.nodes import arg, called_module, first_input, single_user
 
@@ -109,8 +109,8 @@ def _upcast_chain(node: torch.fx.Node) -> DecoderSite | None:
     if times is not None and _is_call(times, _MUL_FNS, "mul") and isinstance(_other(times, last), torch.fx.Node):
         chain.append(last)
         weight, last = _other(times, last), times
-    return DecoderSite(last, upcast_rms_norm, (h, weight, eps, dtype), tuple(reversed(chain)),
-                       _RMS_KEPT + " (float32 form)", f"{node.name} -> {last.name}", keeps_output=True)
+    return DecoderSite(last, scaled_rms_norm, (h, weight, eps, dtype), tuple(reversed(chain)),
+                       _RMS_KEPT + " (written out)", f"{node.name} -> {last.name}", keeps_output=True)
 
 
 def _gated(gm: torch.fx.GraphModule, node: torch.fx.Node) -> DecoderSite | None:
