@@ -10,6 +10,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..tt import TTSpec, constant_under_compile, gemm_spec
+from .cost import tree_cost
+from .network import tt_linear_network
 from .order import plan_tt_linear
 from .plan import Program
 
@@ -73,7 +75,27 @@ def _segments(spec: TTSpec, training: bool, input_requires_grad: bool) -> tuple[
         start = max(start, MIN_SEGMENT_START)
         if end - start >= MIN_SEGMENT_WIDTH and start > kept[-1]:
             kept.append(start)
-    # the first segment runs the plan of its last row count: its rows below 8 cost little whichever plan runs
-    at = [kept[1] - 1 if len(kept) > 1 else MIN_SEGMENT_START, *kept[1:]]
+    first = _least_worst_rows(spec, starts, kept[1], training, input_requires_grad) if len(kept) > 1 else \
+        MIN_SEGMENT_START
+    at = [first, *kept[1:]]
     programs = tuple(plan_tt_linear(spec, r, training, input_requires_grad).program for r in at)
     return tuple(kept[1:]), programs
+
+
+def _least_worst_rows(spec: TTSpec, starts: list[int], end: int, training: bool, input_requires_grad: bool) -> int:
+    """The row count whose plan the first segment (rows below `end`) runs: of the plans best somewhere from
+    MIN_SEGMENT_START up, the one whose cost is least above the best plan's at its worst row count there (its
+    rows below 8 cost little whichever plan runs).  A fixed tree's cost is affine in the rows, so against the
+    best plan of one range its ratio is monotone: the worst lies at a range's end."""
+    inner = [t for t in starts if MIN_SEGMENT_START < t < end]
+    if not inner:   # one plan is best from 8 up to the end
+        return end - 1
+    points = sorted({MIN_SEGMENT_START, end - 1, *inner, *(t - 1 for t in inner)})
+    best = {r: plan_tt_linear(spec, r, training, input_requires_grad).cost() for r in points}
+
+    def worst(rows: int) -> float:
+        tree = plan_tt_linear(spec, rows, training, input_requires_grad).tree
+        return max(tree_cost(tt_linear_network(spec, r, input_requires_grad), tree, training) / best[r]
+                   for r in points)
+
+    return min([MIN_SEGMENT_START, *inner], key=lambda rows: (worst(rows), -rows))
