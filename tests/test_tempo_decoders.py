@@ -392,3 +392,64 @@ def test_tempo_then_compile_trains_as_eager(fresh_dynamo):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
     _same_step(ref, compiled, ids, loss_rel=1e-5, rtol=1e-3, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _deep(family: str) -> nn.Module:
+    """A 12-layer decoder (hidden 128) from transformers' own config at its defaults (use_cache on),
+    tensorized at rank 8."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cc.tensorize(getattr(transformers, f"{family}ForCausalLM")(config), rank=8, min_features=64)
+
+
+@pytest.mark.parametrize("family", ["Llama", pytest.param("Qwen2", marks=pytest.mark.slow)])
+def test_a_12_layer_tempo_decoder_under_compile_step_and_the_trainer(family, fresh_dynamo, tmp_path):
+    """What users run: cc.tensorize, cc.tempo, RankAdaptive, then cc.compile_step at its defaults (one graph
+    for the twelve layers, the losses of the untouched model's eager steps) and the eager Trainer with
+    RankAdaptive's callback (the losses of the same Trainer run on the untouched model)."""
+    from torch._dynamo.utils import counters
+
+    ref = _deep(family)
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match="cannot trace"):
+        summary = cc.tempo(model).tempo_summary
+    assert summary.counts() == {"rms_norm": 25, "swiglu": 12}, summary
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(3)]
+
+    def loss_fn(out, ids):
+        return F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+    runs = []
+    for m, compiled in ((ref, False), (copy.deepcopy(model), True)):
+        opt = torch.optim.AdamW(cc.param_groups(m, lr=1e-3))
+        ra = cc.RankAdaptive(m, optimizer=opt)
+        step = cc.compile_step(m, loss_fn, opt, rank_adaptive=ra) if compiled else None
+        losses = []
+        for ids in batches:
+            if compiled:
+                losses.append(float(step(ids, ids)))
+            else:
+                loss = loss_fn(m(ids), ids)
+                loss.backward(), opt.step(), opt.zero_grad(set_to_none=True), ra.step(loss.detach())
+                losses.append(loss.item())
+        runs.append(losses)
+    assert runs[1] == pytest.approx(runs[0], rel=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+    data = [{"input_ids": ids[0], "labels": ids[0]} for ids in batches for _ in range(2)]
+    logged = []
+    for m in (_deep(family), model):
+        ra = cc.RankAdaptive(m)
+        opt = torch.optim.AdamW(cc.param_groups(m, lr=1e-3))
+        args = transformers.TrainingArguments(str(tmp_path / str(len(logged))), max_steps=3, logging_steps=1,
+                                              per_device_train_batch_size=2, report_to="none", use_cpu=True)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=data, optimizers=(opt, None),
+                                       callbacks=[ra.trainer_callback()])
+        trainer.train()
+        logged.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(logged[1]) == 3 and logged[1] == pytest.approx(logged[0], rel=1e-4)
