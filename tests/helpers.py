@@ -117,12 +117,22 @@ SPAWN_DEADLINE = 900.0   # seconds; a test's processes still running then are ki
 def _exit_after(rank: int, fn: Callable[..., Any], errors: str, stacks_after: float, *args: Any) -> None:
     """Run fn(rank, *args) in a spawned process and leave it with os._exit, its traceback (if any) in
     errors.RANK: the interpreter's teardown is skipped, where gloo's threads can deadlock the process group's
-    destructor (a worker once hung there for ten minutes, another aborted).  A process still running after
-    stacks_after seconds writes every thread's stack to errors.RANK.stacks, for the report of a hang."""
+    destructor (a worker once hung there for ten minutes, another aborted).  For the same reason fn's frame is
+    kept, so its locals (a Trainer, a DDP wrapper) are never freed when it returns: a worker once hung in their
+    destructors after its last line.  A process still running after stacks_after seconds writes every thread's
+    stack to errors.RANK.stacks, for the report of a hang."""
     code = 0
     stacks = open(f"{errors}.{rank}.stacks", "w")
     faulthandler.dump_traceback_later(stacks_after, file=stacks)
+    kept: list = []
+
+    def keep_frame(frame, event: str, arg: Any) -> None:   # the first call after setprofile is fn's
+        if event == "call" and frame.f_code is getattr(fn, "__code__", None):
+            kept.append(frame)
+            sys.setprofile(None)
+
     try:
+        sys.setprofile(keep_frame)
         fn(rank, *args)
     except BaseException:
         Path(f"{errors}.{rank}").write_text(traceback.format_exc())

@@ -17,7 +17,8 @@ def test_a_failed_process_gives_its_own_error_and_exit_code_without_the_launcher
 
 def test_a_process_that_succeeds_exits_zero(tmp_path):
     child = tmp_path / "child.py"
-    child.write_text("import os\nprint('world', os.environ['WORLD_SIZE'])\n")
+    # one write each: under PYTHONUNBUFFERED print's pieces interleave in the shared pipe ("worldworld 2 2")
+    child.write_text("import os\nos.write(1, f\"world {os.environ['WORLD_SIZE']}\\n\".encode())\n")
     done = subprocess.run([sys.executable, "-m", "comera_compile.cli.torchrun", "--standalone",
                            "--nproc-per-node=2", str(child)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
