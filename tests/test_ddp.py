@@ -920,3 +920,46 @@ def _stale_after_load_worker(rank: int, world: int, port: int, out: str, ckpt: s
 def test_a_compiled_ddp_step_is_stale_after_a_checkpoint_cut_its_cores(tmp_path):
     for result in _two_processes(_stale_after_load_worker, str(tmp_path / "stale"), str(tmp_path / "ckpt")):
         assert "build the step again on a new wrapper" in result, result
+
+
+def _tempo_worker(rank: int, world: int, port: int, out: str) -> None:
+    """DDP over a tensorized Llama after cc.tempo (its norms and gated MLPs swapped for the Tempo ops), an eager
+    loop on this process's half of each unpadded batch."""
+    import warnings
+
+    import comera_compile as cc
+
+    with _process_group(rank, world, port):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # tempo's "cannot trace" (it swaps modules instead)
+            lm = cc.tempo(_llama())
+        ddp = nn.parallel.DistributedDataParallel(lm)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        per = 8 // world
+        for ids in _full_batches():
+            ids = ids[rank * per:(rank + 1) * per]
+            ddp(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        torch.save({"params": [p.detach() for p in lm.parameters()], "counts": lm.tempo_summary.counts(),
+                    "keys": list(lm.state_dict())}, f"{out}.{rank}")
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo")
+def test_ddp_over_a_tempo_decoder_trains_like_the_untouched_model_in_one_process(tmp_path):
+    """The Tempo ops keep less for backward and compute the same gradients: under DDP the replicas of a
+    tempo'd Llama end with the parameters of one process's SGD steps on the whole batch with the untouched
+    model, to float64 rounding (a Tempo norm's backward rebuilds its input from its output: 1.4e-13 apart
+    relative, where the steps moved a parameter by up to 0.11)."""
+    pytest.importorskip("transformers")
+    results = _two_processes(_tempo_worker, str(tmp_path / "tempo"))
+    model = _llama()
+    assert results[0]["counts"] == {"rms_norm": 5, "swiglu": 2} and results[0]["keys"] == list(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for ids in _full_batches():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for r in range(2):
+        for p, q in zip(results[r]["params"], model.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-9, atol=1e-12)
