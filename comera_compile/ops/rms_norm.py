@@ -97,16 +97,18 @@ def scaled_rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float,
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """weight * (h normalised over its last dim, at h's dtype, then cast to dtype): RMSNorm as transformers'
     decoders write it out (h is their float32 copy of the input, dtype the input's).  rms_norm where h, the
-    cast and the weight share a float32 or float64 dtype and the weight is one per feature; torch's ops
-    otherwise (with a warning, once, where a gradient is needed)."""
-    if h.dtype in FLOATS and dtype in (None, h.dtype) and (weight is None or (
-            weight.dtype == h.dtype and tuple(weight.shape) == (h.shape[-1],))):
-        return rms_norm(h, 1, weight, eps)
+    cast and the weight share a float32 or float64 dtype; torch's ops otherwise (with a warning, once, where a
+    gradient is needed).  A "weight" that is not one per feature (code that multiplies the normalised rows by
+    another activation) multiplies rms_norm's output: the product keeps that output, as rms_norm does."""
+    if h.dtype in FLOATS and dtype in (None, h.dtype) and (weight is None or weight.dtype == h.dtype):
+        if weight is None or tuple(weight.shape) == (h.shape[-1],):
+            return rms_norm(h, 1, weight, eps)
+        return weight * rms_norm(h, 1, None, eps)
     if h.is_floating_point() and not plain_ops(h, weight):
         got = sorted({str(t.dtype).replace("torch.", "") for t in (h, weight) if t is not None} |
                      {str(dtype or h.dtype).replace("torch.", "")})
-        dtype_fallback("rms_norm", dtype or h.dtype, f"it takes float32 or float64 input, output and weight of one dtype, "
-                                                       f"one weight per feature; got {', '.join(got)}")
+        dtype_fallback("rms_norm", dtype or h.dtype,
+                       f"it takes float32 or float64 input, output and weight of one dtype; got {', '.join(got)}")
     y = rms_norm_reference(h, 1, None, eps)
     y = y if dtype is None else y.to(dtype)
     return y if weight is None else weight * y
