@@ -199,10 +199,66 @@ def test_eval_no_grad_and_16_bit_weights_compute_what_the_modules_compute():
     model.train(), ref.train()
     model.bfloat16(), ref.bfloat16()
     xb = x.bfloat16().requires_grad_()
-    with pytest.warns(TempoDtypeWarning, match="rms_norm got bfloat16"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TempoDtypeWarning)   # no fallback at 16 bits (upcast_rms_norm)
         got = layer.input_layernorm(xb)
     assert torch.equal(got, ref_layer.input_layernorm(xb))
     assert torch.equal(layer.mlp(xb), ref_layer.mlp(xb))   # silu_mul at any dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+def test_a_16_bit_or_float64_llama_norm_keeps_its_input_only_with_autograd_s_gradients(dtype, autocast):
+    """Away from float32 the swapped norm keeps its input (recomputing the float32 copy and the cast rows in
+    the backward), where transformers' norm keeps the float32 copy and the cast rows: at 16 bits a third of
+    the bytes.  Output and gradients are the module's bit for bit, also under autocast; a double backward is
+    an error."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(0)
+    ref = LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+    ref = ref.to(dtype)
+    swapped = TempoUpcastRMSNorm(nn.Parameter(ref.weight.detach().clone()), ref.variance_epsilon)
+    x = (torch.randn(4, 32, 64) * 3).to(dtype)
+    g = torch.randn(4, 32, 64).to(dtype)
+    results = []
+    for norm in (ref, swapped):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), SavedTensors(exclude=norm) as saved:
+            y = norm(xi)
+            kept = saved.bytes
+        y.backward(g)
+        results.append((y, xi.grad, norm.weight.grad, kept))
+    (y_r, gx_r, gw_r, kept_r), (y_t, gx_t, gw_t, kept_t) = results
+    assert torch.equal(y_t, y_r) and torch.equal(gx_t, gx_r) and torch.equal(gw_t, gw_r)
+    assert kept_t == x.numel() * x.element_size()
+    assert kept_r >= x.numel() * (4 + x.element_size())
+    with pytest.raises(RuntimeError, match="double backward"):
+        xi = x.clone().requires_grad_()
+        torch.autograd.grad(swapped(xi).float().pow(2).sum(), xi, create_graph=True)
+
+
+def test_a_bfloat16_llama_trains_as_the_untouched_model_keeping_less():
+    """A Llama in bfloat16 (its weights too, as many pretraining recipes keep them): after cc.tempo the loss
+    and every gradient are the untouched model's bit for bit, and the norms no longer keep float32 copies."""
+    model = _decoder("Llama").bfloat16()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # tempo's "cannot trace"
+        warnings.simplefilter("error", TempoDtypeWarning)
+        cc.tempo(model)
+    ids = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TempoDtypeWarning)
+        loss_t, kept_t, grads_t = _step(model, ids)
+    loss_r, kept_r, grads_r = _step(ref, ids)
+    assert loss_t == loss_r and all(torch.equal(a, b) for a, b in zip(grads_t, grads_r))
+    # 5 norms, each keeping its bfloat16 input instead of a float32 copy, bfloat16 rows and float32 1/rms per
+    # row; 2 gatings, silu(gate) no longer
+    expected = 5 * ids.numel() * (64 * 4 + 4) + 2 * ids.numel() * 176 * 2
+    assert kept_r - kept_t == expected, (kept_r, kept_t, expected)
 
 
 def test_under_bf16_autocast_the_loss_is_the_same_and_less_is_kept():

@@ -7,6 +7,7 @@ projections after it keep its output anyway; ``rms_norm`` keeps only that output
 rebuilds the normalised input as output / weight.  Features whose weight is 0, not finite or too small to
 divide by keep their normalised column instead.  float32 and float64 only: other dtypes, mixed dtypes and
 no-grad, torch.export or torch.compile calls run torch's ops (the first two with a warning, once).
+``upcast_rms_norm``, transformers' form, keeps a 16-bit input alone and recomputes the norm in the backward.
 
 ``silu_mul`` keeps gate and up and recomputes silu(gate) in the backward (one elementwise op): the same
 operations as autograd's backward of ``F.silu(gate) * up``, so the same gradients bit for bit, at any dtype.
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from comera_compile.ops.buffers import FLOATS, dtype_fallback, first_order, plain_ops
 
-__all__ = ["rms_norm", "rms_norm_reference", "scaled_rms_norm", "silu_mul"]
+__all__ = ["rms_norm", "rms_norm_reference", "scaled_rms_norm", "silu_mul", "upcast_rms_norm"]
 
 # |weight| below this (or 0, or not finite): the normalised input is kept for that feature, not rebuilt
 _TINY_WEIGHT = 1e-20
@@ -112,6 +113,48 @@ def scaled_rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float,
     y = rms_norm_reference(h, 1, None, eps)
     y = y if dtype is None else y.to(dtype)
     return y if weight is None else weight * y
+
+
+def _upcast_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' decoder RMSNorm as it writes it: normalised in float32, cast back to x's dtype, scaled."""
+    return weight * rms_norm_reference(x.to(torch.float32), 1, None, eps).to(x.dtype)
+
+
+class _RecomputedUpcast(torch.autograd.Function):
+    """_upcast_reference keeping x and the weight only: the backward runs the same ops again under autograd
+    (at the forward's autocast setting), so its gradients are autograd's own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        kind = x.device.type
+        ctx.eps, ctx.autocast = eps, (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(x, weight)
+        return _upcast_reference(x, weight, eps)
+
+    @staticmethod
+    @first_order
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        kind, enabled, dtype = ctx.autocast
+        with torch.enable_grad(), torch.autocast(kind, dtype, enabled=enabled):
+            leaves = [x.detach().requires_grad_(ctx.needs_input_grad[0]),
+                      weight.detach().requires_grad_(ctx.needs_input_grad[1])]
+            y = _upcast_reference(leaves[0], leaves[1], ctx.eps)
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = iter(torch.autograd.grad(y, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
+
+
+def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """_upcast_reference(x, weight, eps), keeping less for backward.  float32 input and weight: rms_norm (the
+    output and 1/rms per row).  Other dtypes (a bfloat16 model): x alone is kept and the norm recomputed from
+    it in the backward, not a float32 copy and the 16-bit normalised rows; the gradients are autograd's own,
+    bit for bit (rebuilding the rows from a 16-bit output would not give them)."""
+    if plain_ops(x, weight):
+        return _upcast_reference(x, weight, eps)
+    if x.dtype == weight.dtype == torch.float32 and tuple(weight.shape) == (x.shape[-1],):
+        return rms_norm(x, 1, weight, eps)
+    return _RecomputedUpcast.apply(x, weight, eps)
 
 
 class _SiluMul(torch.autograd.Function):

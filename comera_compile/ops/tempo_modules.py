@@ -14,7 +14,7 @@ from comera_compile.ops.bit_dropout import dropout
 from comera_compile.ops.buffers import FLOATS, HALF_FLOATS, dtype_fallback, plain_ops, traced
 from comera_compile.ops.gelu import gelu, gelu_dropout, prepare_tables
 from comera_compile.ops.layer_norm import layer_norm
-from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, scaled_rms_norm, silu_mul
+from comera_compile.ops.rms_norm import rms_norm, rms_norm_reference, silu_mul, upcast_rms_norm
 
 __all__ = ["TempoGELU", "TempoGELUDropout", "TempoLayerNorm", "TempoDropout", "TempoRMSNorm", "TempoUpcastRMSNorm",
            "TempoGatedMLP", "TEMPO_MODULES", "tempo_dropout",
@@ -90,8 +90,8 @@ class TempoRMSNorm(nn.RMSNorm):
 class TempoUpcastRMSNorm(nn.Module):
     """The RMSNorm of transformers' decoders (Llama, Qwen2, Mistral, ...: normalised in float32, cast back to
     the input's dtype, then scaled by ``weight``; ``variance_epsilon`` inside the root), whose backward works
-    from its output and per-row 1/rms when input and weight are float32; otherwise, and in eval, that
-    module's own computation (16-bit or float64 input with a warning, once)."""
+    from its output and per-row 1/rms when input and weight are float32, and recomputes the norm from its
+    input at other dtypes (a bfloat16 model: upcast_rms_norm); in eval, that module's own computation."""
 
     def __init__(self, weight: nn.Parameter, variance_epsilon: float) -> None:
         super().__init__()
@@ -100,7 +100,7 @@ class TempoUpcastRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
-            return scaled_rms_norm(x.to(torch.float32), self.weight, self.variance_epsilon, x.dtype)
+            return upcast_rms_norm(x, self.weight, self.variance_epsilon)
         return self.weight * rms_norm_reference(x.to(torch.float32), 1, None, self.variance_epsilon).to(x.dtype)
 
     def extra_repr(self) -> str:
