@@ -573,3 +573,53 @@ def test_rank_adaptive_on_a_part_of_a_sharded_model_says_what_to_give_it(tmp_pat
     _spawn(_submodule_worker, 2, str(tmp_path / "message"))
     message = torch.load(tmp_path / "message")
     assert "Give RankAdaptive the module fully_shard was applied to" in message, message
+
+
+def _wrapped_worker(rank: int, world: int, out: str) -> None:
+    """cc.tensorize and cc.tempo given a model already wrapped or sharded: what each raised, and whether the
+    model kept its modules and parameters."""
+    import comera_compile as cc
+    from torch.distributed.fsdp import fully_shard
+
+    def bare() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.RMSNorm(128), nn.GELU(), nn.Linear(128, 64))
+
+    result: dict = {}
+    for wrap in ("ddp", "fully_shard"):
+        model = bare()
+        wrapped = nn.parallel.DistributedDataParallel(model) if wrap == "ddp" else fully_shard(model)
+        before = [(type(m), [id(p) for p in m.parameters()]) for m in model]
+        for call, kwargs in (("tensorize", {}), ("tensorize", {"inplace": True}), ("tempo", {})):
+            try:
+                warnings.simplefilter("ignore")
+                getattr(cc, call)(wrapped, **({"min_features": 32} if call == "tensorize" else {}), **kwargs)
+                result[wrap, call, bool(kwargs)] = None
+            except Exception as e:
+                result[wrap, call, bool(kwargs)] = f"{type(e).__name__}: {e}"
+            if call == "tensorize":   # untouched by the refused rewrite
+                result[wrap, call, bool(kwargs), "same"] = before == [(type(m), [id(p) for p in m.parameters()])
+                                                                     for m in model]
+    torch.save(result, f"{out}.{rank}")
+
+
+def test_a_model_already_wrapped_for_data_parallel_is_refused_untouched(tmp_path):
+    """tensorize after DDP or fully_shard swapped in TT layers the wrapper did not hold: their gradients were
+    never averaged, and the replicas drifted apart in silence (0.038 after 3 AdamW steps, 2 processes).  Now
+    it is an error that says to tensorize first, and the model is left as it was.  cc.tempo, whose swaps keep
+    the parameters, works under DDP; under fully_shard (which gathers parameters into the modules it wrapped)
+    it is an error before anything changes."""
+    out = str(tmp_path / "wrapped")
+    _spawn(_wrapped_worker, 2, out)
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}")
+        for wrap, what in (("ddp", "is a DistributedDataParallel wrapper"),
+                           ("fully_shard", "is sharded by fully_shard (FSDP2)")):
+            for inplace in (False, True):
+                error = result[wrap, "tensorize", inplace]
+                assert error is not None and error.startswith("TensorizeError") and what in error, error
+                assert "Call cc.tensorize (and cc.tempo) on the bare model, then wrap the result" in error
+                assert result[wrap, "tensorize", inplace, "same"]
+        assert result["ddp", "tempo", False] is None
+        error = result["fully_shard", "tempo", False]
+        assert error is not None and error.startswith("ValueError") and "then fully_shard" in error, error

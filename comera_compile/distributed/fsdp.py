@@ -14,7 +14,7 @@ from torch import nn
 from ..optim_state import replace
 
 __all__ = ["is_sharded", "local", "local_masks", "shard_like", "unsharded", "check_resharding", "view", "PlainView",
-           "ShardedView"]
+           "ShardedView", "wrapped_for_data_parallel"]
 
 
 @functools.cache
@@ -56,6 +56,31 @@ def shard_like(full: torch.Tensor, like: Any) -> torch.Tensor:
 def local_masks(masks: list[torch.Tensor], like: list[Any]) -> list[torch.Tensor]:
     """Each full mask cut to the shard of its (sharded) gate."""
     return [shard_like(m.to(torch.uint8), g).bool() if is_sharded(g) else m for m, g in zip(masks, like)]
+
+
+def wrapped_for_data_parallel(model: nn.Module, ddp: bool = True) -> str | None:
+    """What in `model` is already wrapped or sharded for data parallelism (a DistributedDataParallel wrapper,
+    unless ddp is False; FullyShardedDataParallel; FSDP2's fully_shard; a DTensor parameter), said for an
+    error message, or None.  Rewrites that swap modules or parameters belong before it: the wrapper holds the
+    parameters (and FSDP2 the modules) it was given."""
+    import torch.distributed as dist
+
+    kinds: list[tuple[type, str]] = []
+    if ddp:
+        kinds.append((nn.parallel.DistributedDataParallel, "is a DistributedDataParallel wrapper"))
+    if dist.is_available():
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds += [(FullyShardedDataParallel, "is a FullyShardedDataParallel wrapper"),
+                  (FSDPModule, "is sharded by fully_shard (FSDP2)")]
+    for name, module in model.named_modules():
+        for cls, what in kinds:
+            if isinstance(module, cls):
+                return f"{name or type(model).__name__} {what}"
+    for name, param in model.named_parameters():
+        if is_sharded(param):
+            return f"its parameter {name} is a DTensor (sharded or distributed already)"
+    return None
 
 
 def _fsdp_param_groups(model: nn.Module) -> list[Any]:

@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from comera_compile.distributed.fsdp import wrapped_for_data_parallel
 from comera_compile.layers import TTLayer
 
 __all__ = ["TensorizeError", "LayerShape", "PRESETS", "Options", "as_shape", "check_options", "is_conv1d",
@@ -137,6 +138,13 @@ def check_options(model: nn.Module, rank: int | Sequence[int] | None, shapes: Ma
         raise TensorizeError(f"tensorize takes an eager nn.Module; {type(model).__name__} is TorchScript "
                              f"(torch.jit.script / torch.jit.trace), whose layers cannot be replaced. Call "
                              f"tensorize on the model before scripting it")
+    wrapped = wrapped_for_data_parallel(model)
+    if wrapped is not None:
+        raise TensorizeError(f"tensorize takes the model before it is wrapped for data parallelism: {wrapped}. The "
+                             f"wrapper holds the dense layers' parameters, so TT layers swapped in would train "
+                             f"without being averaged or sharded across the processes. Call cc.tensorize (and "
+                             f"cc.tempo) on the bare model, then wrap the result (DistributedDataParallel, "
+                             f"fully_shard), then build the optimizer and RankAdaptive")
     asked = dict(shapes or {})
     shaped_only = False
     rank_chosen = rank is not None

@@ -18,6 +18,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
+from comera_compile.distributed.fsdp import wrapped_for_data_parallel
 from comera_compile.layers import TTLayer
 from comera_compile.ops.tempo_modules import (TEMPO_MODULES, TempoDropout, TempoGatedMLP, TempoGELU,
                                               TempoGELUDropout, TempoLayerNorm, TempoRMSNorm, TempoUpcastRMSNorm)
@@ -199,6 +200,17 @@ def _swap_tree(root: nn.Module, prefix: str, summary: TempoSummary, swaps: dict[
         summary.replaced[full] = what + inside
 
 
+def _check_not_sharded(model: nn.Module) -> None:
+    """FSDP gathers each step's parameters into the modules it wrapped, which a swap would leave behind:
+    refuse before changing anything.  (A DistributedDataParallel wrapper is fine: the swaps share its
+    Parameters.)"""
+    wrapped = wrapped_for_data_parallel(model, ddp=False)
+    if wrapped is not None:
+        raise ValueError(f"tempo swaps modules, which must happen before FSDP shards the model: {wrapped}. Call "
+                         f"cc.tempo(model) first, then fully_shard (the swapped modules keep every parameter "
+                         f"and state_dict key)")
+
+
 def _warn_unreachable(summary: TempoSummary, model: nn.Module) -> None:
     """Warn about the sites listed as unreachable in the summary (the pass saves nothing there)."""
     where = [w for w, why in summary.kept.items() if why.startswith(_UNREACHABLE)]
@@ -220,6 +232,7 @@ def tempo_modules(model: nn.Module, *, gelu: bool = True, layer_norm: bool = Tru
     gelu=False / layer_norm=False / rms_norm=False for such a model)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"tempo_modules takes an nn.Module, got {type(model).__name__}")
+    _check_not_sharded(model)
     summary = TempoSummary(traced=False)
     kinds = dict(gelu=gelu, layer_norm=layer_norm, dropout=dropout, rms_norm=rms_norm, swiglu=swiglu)
     _swap_tree(model, "", summary, {}, kinds, attention=False)
@@ -272,6 +285,7 @@ def tempo(model: nn.Module, *, gelu: bool = True, layer_norm: bool = True, atten
         return tempo_graph(model, **kinds, attention=attention).graph_module
     if not isinstance(model, nn.Module):
         raise TypeError(f"tempo takes an nn.Module, got {type(model).__name__}")
+    _check_not_sharded(model)
     try:
         gm = trace_model(model)
     except Exception as e:  # torch.fx raises many kinds of errors for untraceable code
