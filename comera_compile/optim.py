@@ -154,6 +154,26 @@ def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
     return inner
 
 
+def check_holds(optimizer: Any, model: nn.Module, required: dict[str, nn.Parameter] | None = None,
+                who: str = "compile_step") -> None:
+    """Raise where `optimizer` cannot be the one training `model` as it is now: it lacks a trainable parameter
+    of `required` (RankAdaptive's TT cores), or, with required None, it lacks some of the model's trainable
+    parameters and holds others the model does not have: an optimizer built before ``cc.tensorize`` (or
+    before a re-allocation) holds the replaced dense weights, and the TT layers would never train."""
+    held = {id(p) for group in unwrapped(optimizer).param_groups for p in group["params"]}
+    named = dict(model.named_parameters())
+    foreign = len(held - {id(p) for p in named.values()})
+    wanted = named if required is None else required
+    missing = [n for n, p in wanted.items() if p.requires_grad and id(p) not in held]
+    if not missing or (required is None and not foreign):
+        return
+    shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    also = f" and holds {foreign} parameter(s) the model does not have" if foreign else ""
+    raise ValueError(f"{who}: the optimizer does not hold {len(missing)} trainable parameter(s) of the model "
+                     f"({shown}){also}; was it built before cc.tensorize, or before a re-allocation? Build it "
+                     f"from the model as it is now, e.g. torch.optim.AdamW(cc.param_groups(model, lr=...))")
+
+
 def skipped_step(optimizer: Any) -> bool:
     """Whether the last ``step()`` left the parameters unchanged: accelerate's optimizer inside
     ``accelerator.accumulate`` before the last micro-batch (gradients not yet synchronized), or after a

@@ -154,8 +154,8 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
     mean counts every process's tokens, as the transformers Trainer does (``average_tokens_across_devices``):
     the gradient of the global batch's token mean, one all-reduce of the counts per call (for a loss_fn's
     "tokens" too); each process's call returns its own batch's token mean."""
-    from comera_compile.optim import (FAST_KEY, fused_takes_the_scale, loss_scaler, prefer_fast_implementation,
-                                      scaled_step)
+    from comera_compile.optim import (FAST_KEY, check_holds, fused_takes_the_scale, loss_scaler,
+                                      prefer_fast_implementation, scaled_step)
 
     if cuda_graphs not in CUDA_GRAPHS:
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: choose one of {CUDA_GRAPHS}")
@@ -166,6 +166,7 @@ def compile_step(model: torch.nn.Module, loss_fn: Callable[..., torch.Tensor] | 
         raise ValueError(f"micro_batches={micro_batches!r}: give a whole number >= 1 (1, the default, runs each "
                          f"call's batch at once)")
     weights = resolve_weights(loss_fn, micro_batch_weights)
+    check_holds(optimizer, model)
     if rank_adaptive is not None and rank_adaptive.optimizer is None:
         rank_adaptive.attach(optimizer)   # its cuts must reach the optimizer this step runs
     kwargs = compile_kwargs(backend, mode, options)

@@ -1624,3 +1624,29 @@ def test_rounding_layers_together_rounds_each_as_alone_and_keeps_each_function()
     for layer in layers:
         q = layer.cores[0].reshape(-1, layer.cores[0].shape[-1])
         torch.testing.assert_close(q.T @ q, torch.eye(q.shape[1], dtype=torch.float64), atol=1e-10, rtol=0)
+
+
+def test_an_optimizer_built_before_tensorize_is_an_error_not_tt_layers_that_never_train():
+    """The optimizer built on the dense model, then cc.tensorize: it holds the replaced dense weights and none
+    of the cores, and training ran on with the TT layers frozen at their initialisation, in silence.  Now
+    RankAdaptive and compile_step say how to build it; an optimizer built after trains every core."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    stale = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    cc.tensorize(model, rank=4, min_features=32, inplace=True)
+    for build in (lambda: RankAdaptive(model, optimizer=stale), lambda: RankAdaptive(model).attach(stale),
+                  lambda: cc.compile_step(model, nn.MSELoss(), stale, backend="eager")):
+        with pytest.raises(ValueError, match=r"does not hold \d+ trainable parameter.*and holds 2 parameter.*"
+                                             r"built before cc\.tensorize.*cc\.param_groups"):
+            build()
+    cores = [c for layer in tt_layers(model).values() for c in layer.cores]
+    no_core = torch.optim.AdamW([p for p in model.parameters() if p is not cores[-1]], lr=1e-2)
+    with pytest.raises(ValueError, match=r"RankAdaptive: the optimizer does not hold 1 trainable parameter"):
+        RankAdaptive(model, optimizer=no_core)
+    cc.compile_step(model, nn.MSELoss(), no_core, backend="eager")   # a parameter left out on purpose: allowed
+    opt = torch.optim.AdamW(cc.param_groups(model, lr=1e-2))
+    ra = RankAdaptive(model, optimizer=opt)
+    step = cc.compile_step(model, nn.MSELoss(), opt, backend="eager", rank_adaptive=ra)
+    before = [c.detach().clone() for c in cores]
+    step(torch.randn(8, 64), torch.randn(8, 64))
+    assert all(not torch.equal(a, c) for a, c in zip(before, cores))

@@ -21,7 +21,8 @@ from ..distributed.checkpoint import state_dict_layers
 from ..gauge import balance_layers, canonicalize_layers
 from ..graphs import capturing
 from ..layers import DEFAULT_TAU, TTLayer, tt_layers
-from ..optim import learning_rates, prefer_fast_implementation, skipped_step, unwrapped, watch_overflow
+from ..optim import (check_holds, learning_rates, prefer_fast_implementation, skipped_step, unwrapped,
+                     watch_overflow)
 from ..optim_state import rescale_all, restart_all
 from ..regional import drop_stale_graphs
 from . import cuts
@@ -230,8 +231,11 @@ class RankAdaptive(Reports):
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose learning rates set the proximal step and whose state is cut with the cores (in
         accelerate's wrapper, the one inside; a step it or a fused one's GradScaler skipped skips here, one a
-        scaler never called cannot: README, float16).  It takes its fast implementation; attached twice, once."""
+        scaler never called cannot: README, float16).  It takes its fast implementation; attached twice, once.
+        An optimizer that does not hold the TT layers' trainable cores (built before cc.tensorize) is an error."""
         if optimizer is not self._stepper:
+            cores = {f"{name}.cores.{i}": c for name, layer in self.layers.items() for i, c in enumerate(layer.cores)}
+            check_holds(optimizer, self.model, cores, "RankAdaptive")
             self._stepper, self.optimizer = optimizer, unwrapped(optimizer)
             prefer_fast_implementation(self.optimizer, self.model)
             watch_overflow(self.optimizer)
