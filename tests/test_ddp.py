@@ -502,6 +502,18 @@ def _full_batches() -> list[torch.Tensor]:
     return [torch.randint(1, 96, (8, 12), generator=g) for _ in range(STEPS)]
 
 
+def _sgd_on_shares(model, params, rank: int = 0, world: int = 1) -> None:
+    """SGD (lr 0.5) on this process's share of each of _full_batches (the whole batch for one process), with
+    the causal LM's own loss."""
+    opt = torch.optim.SGD(params, lr=0.5)
+    per = 8 // world
+    for ids in _full_batches():
+        ids = ids[rank * per:(rank + 1) * per]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _siblings_worker(rank: int, world: int, port: int, out: str) -> None:
     """A Llama under DDP with buckets small enough that dynamo's DDP optimizer splits each graph at them,
     compiled by "comera" with the sibling pass on (CUDA's default); what each run of the pass shared."""
@@ -516,13 +528,7 @@ def _siblings_worker(rank: int, world: int, port: int, out: str) -> None:
     with _process_group(rank, world, port):
         ddp = nn.parallel.DistributedDataParallel(_llama().float(), bucket_cap_mb=16384 / 2**20)
         compiled = torch.compile(ddp, backend="comera", options={"batch_siblings": True})
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-        per = 8 // world
-        for ids in _full_batches():
-            ids = ids[rank * per:(rank + 1) * per]
-            compiled(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
+        _sgd_on_shares(compiled, ddp.parameters(), rank, world)
         torch.save({"params": [p.detach() for p in ddp.module.parameters()], "shared": shared}, f"{out}.{rank}")
 
 
@@ -541,11 +547,7 @@ def test_ddp_split_graphs_with_shared_sibling_gemms_train_like_one_eager_process
         assert len(r["shared"]) >= 3 and sum(r["shared"]) > 0, r["shared"]
     assert all(torch.equal(p, q) for p, q in zip(results[0]["params"], results[1]["params"]))
     model = _llama().float()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for ids in _full_batches():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_on_shares(model, model.parameters())
     for p, q in zip(results[0]["params"], model.parameters()):
         assert (p - q.detach()).norm() <= 1e-4 * q.norm() + 1e-6
 
@@ -934,13 +936,7 @@ def _tempo_worker(rank: int, world: int, port: int, out: str) -> None:
             warnings.simplefilter("ignore")   # tempo's "cannot trace" (it swaps modules instead)
             lm = cc.tempo(_llama())
         ddp = nn.parallel.DistributedDataParallel(lm)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-        per = 8 // world
-        for ids in _full_batches():
-            ids = ids[rank * per:(rank + 1) * per]
-            ddp(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad()
+        _sgd_on_shares(ddp, ddp.parameters(), rank, world)
         torch.save({"params": [p.detach() for p in lm.parameters()], "counts": lm.tempo_summary.counts(),
                     "keys": list(lm.state_dict())}, f"{out}.{rank}")
 
@@ -955,11 +951,7 @@ def test_ddp_over_a_tempo_decoder_trains_like_the_untouched_model_in_one_process
     results = _two_processes(_tempo_worker, str(tmp_path / "tempo"))
     model = _llama()
     assert results[0]["counts"] == {"rms_norm": 5, "swiglu": 2} and results[0]["keys"] == list(model.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for ids in _full_batches():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad()
+    _sgd_on_shares(model, model.parameters())
     for r in range(2):
         for p, q in zip(results[r]["params"], model.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-9, atol=1e-12)
