@@ -378,8 +378,9 @@ def test_the_graph_pass_keeps_the_call_of_a_hooked_module():
 
 
 class _HandNorm(nn.Module):
-    """RMSNorm written out by hand, in transformers' float32 form, a shorter one (x * x, no cast, no weight,
-    a residual connection reading the input too), or gated by the input's sigmoid."""
+    """RMSNorm written out by hand, in transformers' float32 form, the form of Meta's Llama code (x.float(),
+    then .type_as(x), then the weight), a shorter one (x * x, no cast, no weight, a residual connection reading
+    the input too), or gated by the input's sigmoid."""
 
     def __init__(self, form: str) -> None:
         super().__init__()
@@ -390,12 +391,15 @@ class _HandNorm(nn.Module):
             h = x.to(torch.float32)
             h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
             return self.weight * h.to(x.dtype)
+        if self.form == "meta":
+            h = x.float()
+            return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x) * self.weight
         if self.form == "gated":   # the last product is by another activation, not a weight per feature
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.sigmoid(x)
         return x + x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-5)   # x also read after
 
 
-@pytest.mark.parametrize("form,dtype", [("llama", torch.float32), ("short", torch.float32),
+@pytest.mark.parametrize("form,dtype", [("llama", torch.float32), ("meta", torch.float32), ("short", torch.float32),
                                         ("short", torch.float64), ("gated", torch.float32)])
 def test_the_graph_pass_finds_rms_norm_written_out(form, dtype):
     """Replaced at the dtype the code computes at: float64 code written without a cast stays float64.  Rows
@@ -410,13 +414,39 @@ def test_the_graph_pass_finds_rms_norm_written_out(form, dtype):
     ref = grads_of(model, [x], g)
     for a, r in zip(got, ref):
         close(a, r, dtype)
-    if form == "llama":
+    if form in ("llama", "meta"):
         close(gm.weight.grad, model.weight.grad, dtype)
     gate = x.numel() if form == "gated" else 0   # sigmoid(x), which the sigmoid and the product keep
     with SavedTensors(exclude=gm) as saved:   # the output and 1/rms per row, not the input and h * rsqrt
         y = gm(x.requires_grad_())
         assert saved.bytes <= (x.numel() + 4 * 7 + gate) * dtype.itemsize + 64
     del y
+
+
+@pytest.mark.parametrize("form", ["llama", "meta"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_the_graph_pass_recomputes_a_written_out_norm_of_16_bit_input_from_that_input(form, dtype):
+    """Code that normalises a float32 copy of a 16-bit (or float64) input and casts back keeps that input alone
+    after the pass (the copy, the cast rows and 1/rms no longer), with the code's own output and gradients
+    bit for bit and no warning of a fallback."""
+    model = _HandNorm(form).to(dtype)
+    gm = torch.fx.symbolic_trace(copy.deepcopy(model))
+    assert tempo_graph(gm).summary.counts() == {"rms_norm": 1}
+    x, g = (torch.randn(4, 7, 16) * 3).to(dtype), torch.randn(4, 7, 16).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = grads_of(gm, [x], g)
+    ref = grads_of(model, [x], g)
+    assert all(torch.equal(a, r) for a, r in zip(got, ref))
+    assert torch.equal(gm.weight.grad, model.weight.grad)
+    kept = []
+    for m in (gm, model):
+        with SavedTensors(exclude=m) as saved:
+            y = m(x.clone().requires_grad_())
+            kept.append(saved.bytes)
+        del y
+    assert kept[0] == x.numel() * x.element_size()
+    assert kept[1] >= x.numel() * (4 + x.element_size()), kept
 
 
 def test_the_backend_s_memory_option_finds_a_llama_s_norms_and_gating():

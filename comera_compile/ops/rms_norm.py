@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from comera_compile.ops.buffers import FLOATS, dtype_fallback, first_order, plain_ops
 
-__all__ = ["rms_norm", "rms_norm_reference", "scaled_rms_norm", "silu_mul", "upcast_rms_norm"]
+__all__ = ["rms_norm", "rms_norm_reference", "scaled_rms_norm", "silu_mul", "upcast_rms_norm", "cast_rms_norm"]
 
 # |weight| below this (or 0, or not finite): the normalised input is kept for that feature, not rebuilt
 _TINY_WEIGHT = 1e-20
@@ -115,9 +115,10 @@ def scaled_rms_norm(h: torch.Tensor, weight: torch.Tensor | None, eps: float,
     return y if weight is None else weight * y
 
 
-def _upcast_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _upcast_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """transformers' decoder RMSNorm as it writes it: normalised in float32, cast back to x's dtype, scaled."""
-    return weight * rms_norm_reference(x.to(torch.float32), 1, None, eps).to(x.dtype)
+    y = rms_norm_reference(x.to(torch.float32), 1, None, eps).to(x.dtype)
+    return y if weight is None else weight * y
 
 
 class _RecomputedUpcast(torch.autograd.Function):
@@ -125,7 +126,7 @@ class _RecomputedUpcast(torch.autograd.Function):
     (at the forward's autocast setting), so its gradients are autograd's own."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         kind = x.device.type
         ctx.eps, ctx.autocast = eps, (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(x, weight)
@@ -137,24 +138,34 @@ class _RecomputedUpcast(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         kind, enabled, dtype = ctx.autocast
         with torch.enable_grad(), torch.autocast(kind, dtype, enabled=enabled):
-            leaves = [x.detach().requires_grad_(ctx.needs_input_grad[0]),
-                      weight.detach().requires_grad_(ctx.needs_input_grad[1])]
+            leaves = [None if t is None else t.detach().requires_grad_(need)
+                      for t, need in zip((x, weight), ctx.needs_input_grad)]
             y = _upcast_reference(leaves[0], leaves[1], ctx.eps)
-        wanted = [t for t in leaves if t.requires_grad]
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
         grads = iter(torch.autograd.grad(y, wanted, grad))
-        return (*(next(grads) if t.requires_grad else None for t in leaves), None)
+        return (*(next(grads) if t is not None and t.requires_grad else None for t in leaves), None)
 
 
-def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """_upcast_reference(x, weight, eps), keeping less for backward.  float32 input and weight: rms_norm (the
-    output and 1/rms per row).  Other dtypes (a bfloat16 model): x alone is kept and the norm recomputed from
-    it in the backward, not a float32 copy and the 16-bit normalised rows; the gradients are autograd's own,
-    bit for bit (rebuilding the rows from a 16-bit output would not give them)."""
+def upcast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """_upcast_reference(x, weight, eps), keeping less for backward.  float32 input: scaled_rms_norm (the
+    output and 1/rms per row).  Other dtypes (a bfloat16 model): x (and the weight) alone are kept and the norm
+    recomputed from x in the backward, not a float32 copy and the 16-bit normalised rows; the gradients are
+    autograd's own, bit for bit (rebuilding the rows from a 16-bit output would not give them)."""
     if plain_ops(x, weight):
         return _upcast_reference(x, weight, eps)
-    if x.dtype == weight.dtype == torch.float32 and tuple(weight.shape) == (x.shape[-1],):
-        return rms_norm(x, 1, weight, eps)
+    if x.dtype == torch.float32 and (weight is None or weight.dtype == torch.float32):
+        return scaled_rms_norm(x, weight, eps)
     return _RecomputedUpcast.apply(x, weight, eps)
+
+
+def cast_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                  dtype: torch.dtype | None) -> torch.Tensor:
+    """weight * (x's float32 copy normalised, cast to dtype; None: back to x's dtype), the RMSNorm code
+    writes out from a float32 copy of its input (``x.float()`` or ``x.to(torch.float32)``, then ``.to(dtype)``
+    or ``.type_as(x)``): upcast_rms_norm where the cast goes back to x's dtype, else scaled_rms_norm."""
+    if dtype is not None and dtype != x.dtype:
+        return scaled_rms_norm(x.to(torch.float32), weight, eps, dtype)
+    return upcast_rms_norm(x, weight, eps)
 
 
 class _SiluMul(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """The decoder-LM sites of the Tempo graph pass: RMSNorm (nn.RMSNorm, F.rms_norm, and the float32 form
-transformers' Llama, Qwen2 and Mistral write out, as dynamo's graph holds it) and SwiGLU's ``silu(gate) * up``.
+transformers' Llama, Qwen2 and Mistral write out, as dynamo's graph holds it, or Meta's Llama code with
+``x.float()`` and ``.type_as(x)``) and SwiGLU's ``silu(gate) * up``.
 
 decoder_site(gm, node) reads one node and returns what tempo_graph should put in its place, or why it
 leaves it; the graph is not changed here.
@@ -16,7 +17,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from comera_compile.ops.rms_norm import rms_norm, scaled_rms_norm, silu_mul
+from comera_compile.ops.rms_norm import cast_rms_norm, rms_norm, scaled_rms_norm, silu_mul
 from comera_compile.ops.tempo_modules import module_rms_norm
 from comera_compile.passes.fx.nodes import arg, called_module, first_input, single_user
 
@@ -98,19 +99,50 @@ def _upcast_chain(node: torch.fx.Node) -> DecoderSite | None:
     chain = [first_input(mean), mean, add, node]
     if any(single_user(n) is None for n in chain):
         return None
-    last, dtype = scaled, None
+    source = _float32_copy(h) if set(h.users) == {first_input(mean), scaled} else None
+    last, dtype, cast_back, read = scaled, None, False, []
     cast = single_user(scaled)
-    if cast is not None and cast.op == "call_method" and cast.target == "to" and len(cast.args) == 2 and \
-            isinstance(cast.args[1], torch.dtype) and not cast.kwargs:
-        chain.append(scaled)
-        last, dtype = cast, cast.args[1]
+    if cast is not None and cast.op == "call_method" and not cast.kwargs and len(cast.args) == 2:
+        to = cast.args[1]
+        if cast.target == "to" and isinstance(to, torch.dtype):
+            cast_back, dtype = True, to
+        elif source is not None and ((cast.target == "type_as" and to is source) or (
+                cast.target == "to" and _dtype_of(to) is source)):   # x's dtype, however the code reads it
+            cast_back, read = True, [to] if cast.target == "to" and set(to.users) == {cast} else []
+        if cast_back:
+            chain.append(scaled)
+            last = cast
     weight = None
     times = single_user(last)
     if times is not None and _is_call(times, _MUL_FNS, "mul") and isinstance(_other(times, last), torch.fx.Node):
         chain.append(last)
         weight, last = _other(times, last), times
-    return DecoderSite(last, scaled_rms_norm, (h, weight, eps, dtype), tuple(reversed(chain)),
-                       _RMS_KEPT + " (written out)", f"{node.name} -> {last.name}", keeps_output=True)
+    where = f"{node.name} -> {last.name}"
+    if source is None:
+        return DecoderSite(last, scaled_rms_norm, (h, weight, eps, dtype), tuple(reversed(chain)),
+                           _RMS_KEPT + " (written out)", where, keeps_output=True)
+    # from a float32 copy of an input, which only the norm reads: recomputed from that input in the backward
+    # where the cast goes back to its dtype (cast_rms_norm); with no cast back the output stays float32
+    return DecoderSite(last, cast_rms_norm, (source, weight, eps, dtype if cast_back else torch.float32),
+                       tuple(reversed([*read, h, *chain])), _RMS_KEPT + " (written out from a float32 copy)", where,
+                       keeps_output=True)
+
+
+def _dtype_of(node: Any) -> Any:
+    """x for a node reading x.dtype (as torch.fx traces it; dynamo's graphs hold the dtype itself)."""
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is getattr and \
+            len(node.args) == 2 and node.args[1] == "dtype":
+        return node.args[0]
+    return None
+
+
+def _float32_copy(h: torch.fx.Node) -> torch.fx.Node | None:
+    """x for h = x.float() or x.to(torch.float32) (None otherwise)."""
+    if h.op != "call_method" or h.kwargs or not h.args or not isinstance(h.args[0], torch.fx.Node):
+        return None
+    if (h.target == "float" and len(h.args) == 1) or (h.target == "to" and h.args[1:] == (torch.float32,)):
+        return h.args[0]
+    return None
 
 
 def _gated(gm: torch.fx.GraphModule, node: torch.fx.Node) -> DecoderSite | None:
