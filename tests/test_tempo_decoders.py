@@ -23,7 +23,7 @@ from torch import nn
 import comera_compile as cc
 from comera_compile.memory import SavedTensors
 from comera_compile.ops.buffers import TempoDtypeWarning
-from comera_compile.ops.rms_norm import rms_norm, silu_mul
+from comera_compile.ops.rms_norm import rms_norm, silu_mul, upcast_rms_norm
 from comera_compile.ops.tempo_modules import TempoGatedMLP, TempoRMSNorm, TempoUpcastRMSNorm
 from comera_compile.passes.fx.tempo import tempo_graph
 from comera_compile.passes.module.tempo import tempo_modules
@@ -64,6 +64,31 @@ def test_gradcheck_float64():
     up = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(silu_mul, (x, up))
     assert torch.autograd.gradcheck(silu_mul, (x, up[:1].detach().clone().requires_grad_()))   # broadcast up
+
+
+@given(st.integers(1, 5), st.sampled_from([1, 8, 33]), st.booleans(),
+       st.sampled_from([torch.bfloat16, torch.float16, torch.float64, torch.float32]), st.integers(0, 99))
+@settings(**SETTINGS)
+def test_upcast_rms_norm_matches_the_float32_form_written_out(rows, features, weighted, dtype, seed):
+    """transformers' form (a float32 copy normalised, cast back, scaled): bit for bit away from float32, where
+    the norm is recomputed from its input; within rounding at float32, where the output is kept."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 3, features, generator=gen) * 3 + 1).to(dtype)
+    g = torch.randn(x.shape, generator=gen).to(dtype)
+    inputs = [x, (torch.rand(features, generator=gen) + 0.5).to(dtype)] if weighted else [x]
+
+    def written(x, *w):
+        h = x.to(torch.float32)
+        y = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        return w[0] * y if w else y
+
+    got = grads_of(lambda x, *w: upcast_rms_norm(x, w[0] if w else None, 1e-6), inputs, g)
+    ref = grads_of(written, inputs, g)
+    for a, r in zip(got, ref):
+        if dtype == torch.float32:
+            close(a, r, dtype)
+        else:
+            assert torch.equal(a, r)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
