@@ -9,8 +9,8 @@ training mode, batch 8 x 128 tokens, float32, and the same weights for both.  Fi
   measuring each candidate batch (and the same with saved bytes as the budget);
 - median step time (forward, backward, AdamW step), the two variants interleaved (benchmarks.common).
 The full run adds the whole six-encoder model (6 layers, embeddings, head) with tempo(model).  Both runs add
-the 60M Llama of the pretrain command, dense and tensorized, whose RMSNorms and SiLU-gated MLPs tempo swaps
-(bytes saved for backward, step peak, step time).
+the 60M Llama of the pretrain command, dense and tensorized, and dense with bfloat16 weights, whose RMSNorms
+and SiLU-gated MLPs tempo swaps (bytes saved for backward, step peak, step time).
 """
 
 from __future__ import annotations
@@ -111,10 +111,20 @@ def _layer_rows(quick: bool, batch: int, seq: int) -> list[dict]:
 
 def _pair_row(name: str, eager: nn.Module, temp: nn.Module, call: Callable[[nn.Module], torch.Tensor],
               repeat: int, peaks: bool = False) -> dict:
-    """Saved bytes, optionally the step peak, and interleaved step times (fwd, bwd, AdamW) of a model before and
-    after tempo, each called as call(model) (a scalar to differentiate)."""
+    """Saved bytes, optionally the step peak, and interleaved step times (fwd, bwd, AdamW; none when repeat is
+    0) of a model before and after tempo, each called as call(model) (a scalar to differentiate)."""
     pair = (("eager", eager), ("tempo", temp))
     saved = {n: saved_bytes(call, m, exclude=m) for n, m in pair}
+    row = {
+        "benchmark": name, "replaced": temp.tempo_summary.counts(),
+        "saved_eager_mib": saved["eager"] / MIB, "saved_tempo_mib": saved["tempo"] / MIB,
+        "saved_drop_pct": 100.0 * (1.0 - saved["tempo"] / saved["eager"]),
+    }
+    if peaks:
+        p = {n: peak_bytes(lambda m=m: (call(m).backward(), m.zero_grad(set_to_none=True))) for n, m in pair}
+        row.update(peak_eager_mib=p["eager"] / MIB, peak_tempo_mib=p["tempo"] / MIB)
+    if not repeat:
+        return row
     timed = {}
     for n, m in pair:
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
@@ -127,15 +137,7 @@ def _pair_row(name: str, eager: nn.Module, temp: nn.Module, call: Callable[[nn.M
         timed[n] = train_step
     times = compare(timed, warmup=1, repeat=repeat)
     ms = {n: t.median * 1e3 for n, t in times.items()}
-    row = {
-        "benchmark": name, "replaced": temp.tempo_summary.counts(),
-        "saved_eager_mib": saved["eager"] / MIB, "saved_tempo_mib": saved["tempo"] / MIB,
-        "saved_drop_pct": 100.0 * (1.0 - saved["tempo"] / saved["eager"]),
-        "step_eager_ms": ms["eager"], "step_tempo_ms": ms["tempo"], "step_ratio": ms["tempo"] / ms["eager"],
-    }
-    if peaks:
-        p = {n: peak_bytes(lambda m=m: (call(m).backward(), m.zero_grad(set_to_none=True))) for n, m in pair}
-        row.update(peak_eager_mib=p["eager"] / MIB, peak_tempo_mib=p["tempo"] / MIB)
+    row.update(step_eager_ms=ms["eager"], step_tempo_ms=ms["tempo"], step_ratio=ms["tempo"] / ms["eager"])
     return row
 
 
@@ -149,7 +151,8 @@ def _model_rows(batch: int, seq: int) -> list[dict]:
 
 def _llama_rows(quick: bool) -> list[dict]:
     """The 60M Llama of the pretrain command (8 layers; 2 when quick), dense and tensorized at its preset's
-    rank, at batch 8 x 256 (2 x 128 when quick), vocabulary 4096: tempo swaps its RMSNorms and SwiGLU MLPs."""
+    rank, and dense in bfloat16, at batch 8 x 256 (2 x 128 when quick), vocabulary 4096: tempo swaps its
+    RMSNorms and SwiGLU MLPs."""
     import dataclasses
     import warnings
 
@@ -161,15 +164,20 @@ def _llama_rows(quick: bool) -> list[dict]:
     batch, seq = (2, 128) if quick else (8, 256)
     ids = torch.randint(0, 4096, (batch, seq), generator=torch.Generator().manual_seed(0))
     rows = []
-    for kind in ("dense", "tensorized"):
+    for kind in ("dense", "tensorized", "dense_bf16"):
         eager = build_model(shape, 4096, seed=0)
         with warnings.catch_warnings():   # torch.fx cannot trace transformers' models: tempo's module swap
             warnings.simplefilter("ignore")
             if kind == "tensorized":
                 eager = tensorize(eager, rank=PRESETS["60m"]["rank"])
+            if kind == "dense_bf16":   # bfloat16 weights, as GaLore's recipe trains: the norms recompute
+                eager = eager.bfloat16()
             temp = tempo(copy.deepcopy(eager))
+        # bfloat16 matmuls on a CPU without bf16 units take about 100 s a step here: its bytes alone
+        bf16 = kind == "dense_bf16"
         rows.append(_pair_row(f"llama_60m_{shape.layers}l_{kind}_b{batch}x{seq}", eager, temp,
-                              lambda m: m(input_ids=ids, labels=ids).loss, 3 if quick else 7, peaks=True))
+                              lambda m: m(input_ids=ids, labels=ids).loss, 0 if bf16 else 3 if quick else 7,
+                              peaks=not bf16))
     return rows
 
 
@@ -199,8 +207,9 @@ def format_rows(rows: list[dict]) -> str:
                          f"({r['batch_gain']:.2f}x)")
             lines.append(f"  largest batch with saved bytes <= {r['saved_budget_mib']:.1f} MiB: eager "
                          f"{r['saved_max_batch_eager']}, tempo {r['saved_max_batch_tempo']}")
-        lines.append(f"  step time (fwd+bwd+AdamW, median): eager {r['step_eager_ms']:.1f} ms, tempo "
-                     f"{r['step_tempo_ms']:.1f} ms (tempo/eager {r['step_ratio']:.3f})")
+        if "step_eager_ms" in r:
+            lines.append(f"  step time (fwd+bwd+AdamW, median): eager {r['step_eager_ms']:.1f} ms, tempo "
+                         f"{r['step_tempo_ms']:.1f} ms (tempo/eager {r['step_ratio']:.3f})")
     return "\n".join(lines)
 
 
