@@ -126,8 +126,8 @@ def _exit_after(rank: int, fn: Callable[..., Any], errors: str, stacks_after: fl
     faulthandler.dump_traceback_later(stacks_after, file=stacks)
     kept: list = []
 
-    def keep_frame(frame, event: str, arg: Any) -> None:   # the first call after setprofile is fn's
-        if event == "call" and frame.f_code is getattr(fn, "__code__", None):
+    def keep_frame(frame, event: str, arg: Any) -> None:   # the first Python call after setprofile is fn's
+        if event == "call":
             kept.append(frame)
             sys.setprofile(None)
 
