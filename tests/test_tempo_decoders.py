@@ -571,3 +571,29 @@ def test_a_12_layer_tempo_decoder_under_compile_step_and_the_trainer(family, fre
         trainer.train()
         logged.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
     assert len(logged[1]) == 3 and logged[1] == pytest.approx(logged[0], rel=1e-4)
+
+
+def test_a_12_layer_bfloat16_tempo_decoder_trains_in_the_trainer_as_the_untouched_model(tmp_path):
+    """A 12-layer tensorized Llama with bfloat16 weights (transformers' config at its defaults), cc.tempo, the
+    eager Trainer with RankAdaptive's callback: the same logged losses as the untouched model's run, no norm
+    falling back (its norms recompute from their 16-bit input), 25 norms and 12 MLPs swapped."""
+    ref, model = _deep("Llama").bfloat16(), _deep("Llama").bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # tempo's "cannot trace"
+        warnings.simplefilter("error", TempoDtypeWarning)
+        assert cc.tempo(model).tempo_summary.counts() == {"rms_norm": 25, "swiglu": 12}
+    g = torch.Generator().manual_seed(6)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (6, 32), generator=g)]
+    logged = []
+    for m in (ref, model):
+        ra = cc.RankAdaptive(m)
+        opt = torch.optim.AdamW(cc.param_groups(m, lr=1e-3))
+        args = transformers.TrainingArguments(str(tmp_path / str(len(logged))), max_steps=3, logging_steps=1,
+                                              per_device_train_batch_size=2, report_to="none", use_cpu=True)
+        trainer = transformers.Trainer(model=m, args=args, train_dataset=data, optimizers=(opt, None),
+                                       callbacks=[ra.trainer_callback()])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TempoDtypeWarning)
+            trainer.train()
+        logged.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
+    assert len(logged[1]) == 3 and logged[1] == logged[0], logged
